@@ -1,0 +1,1 @@
+"""ringseq.patches: everything that touches third-party model code (transformers)."""

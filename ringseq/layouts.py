@@ -1,0 +1,78 @@
+"""Which global tokens each rank of the ring holds (shapes: see ``ringseq.shapes``).
+
+Three layouts, all with s = S / P tokens per rank, kept in increasing global order:
+
+``contiguous``  rank r holds tokens [r*s, (r+1)*s).
+``zigzag``      the sequence is cut into 2P chunks of c = S / 2P; rank r holds chunks r and
+                2P-1-r, so under a causal mask every rank does the same work (default).
+``striped``     token i lives on rank i mod P (striped attention); also balanced.
+
+The pure functions here are the single source of truth for the index math; sharding,
+gathering and the ring's block plan all read them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .errors import RingSeqError
+
+LAYOUTS = ("contiguous", "zigzag", "striped")
+
+
+def check_layout(layout: str) -> str:
+    if layout not in LAYOUTS:
+        raise RingSeqError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def multiple(layout: str, P: int) -> int:
+    """The global length S must be a multiple of this number."""
+    return 2 * P if check_layout(layout) == "zigzag" else P
+
+
+def check_length(layout: str, S: int, P: int) -> int:
+    """Return the local length s, or raise if the layout cannot split S over P ranks."""
+    m = multiple(layout, P)
+    if S % m:
+        pad = -S % m
+        raise RingSeqError(
+            f"sequence length {S} cannot be split by layout {layout!r} over {P} ranks: it must be a "
+            f"multiple of {m}; pad the sequence by {pad} tokens (to {S + pad}) or change sp_size/layout")
+    return S // P
+
+
+def segments(layout: str, s: int, P: int, r: int) -> list[tuple[int, int]] | None:
+    """Rank r's tokens as contiguous runs ``(global_start, length)`` in local order.
+
+    None for ``striped``, whose tokens form no runs (every P-th token).
+    """
+    if layout == "contiguous":
+        return [(r * s, s)]
+    if layout == "zigzag":
+        c = s // 2
+        return [(r * c, c), ((2 * P - 1 - r) * c, c)]
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(layout: str, S: int, P: int, r: int) -> torch.Tensor:
+    s = check_length(layout, S, P)
+    if layout == "striped":
+        return torch.arange(r, S, P)
+    return torch.cat([torch.arange(a, a + n) for a, n in segments(layout, s, P, r)])
+
+
+def global_positions(layout: str, S: int, P: int, r: int) -> torch.Tensor:
+    """Global indices (int64 [s]) of the tokens rank r holds, in its local order."""
+    return _positions(layout, S, P, r)
+
+
+def gather_order(layout: str, S: int, P: int) -> torch.Tensor:
+    """Permutation that turns the concatenated shards of ranks 0..P-1 into global order.
+
+    ``full = cat(shards)[gather_order]``.
+    """
+    owner_order = torch.cat([global_positions(layout, S, P, r) for r in range(P)])
+    return torch.argsort(owner_order)

@@ -1,0 +1,76 @@
+"""Full tensor <-> this rank's shard, by the layout of a ``SequenceParallel``.
+
+``shard`` needs no communication; ``gather`` all-gathers over the sequence group. Both are
+differentiable under ringseq's gradient rule: each rank's backward yields its own share, and
+the shares summed over the sequence group equal the single-device gradient. So
+
+- ``shard`` backward places the incoming gradient at this rank's positions, zeros elsewhere;
+- ``gather`` backward keeps this rank's slice of the incoming gradient (no communication):
+  every rank computes the same function of the gathered tensor, so summing the slices over
+  the group gives the full gradient exactly once.
+
+The gather has its own autograd function because ``torch.distributed.nn.functional``
+collectives crash in backward on gloo subgroups that do not contain global rank 0.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .layouts import check_length, gather_order, global_positions, segments
+
+
+def _dim(x: torch.Tensor, dim: int) -> int:
+    return dim % x.dim()
+
+
+def shard_tensor(x: torch.Tensor, dim: int, layout: str, P: int, r: int) -> torch.Tensor:
+    """Rank r's slice of the full tensor ``x`` along ``dim`` (no communication, no autograd
+    function needed: slicing is differentiable)."""
+    dim = _dim(x, dim)
+    S = x.size(dim)
+    s = check_length(layout, S, P)
+    runs = segments(layout, s, P, r)
+    if runs is None:  # striped
+        return x.index_select(dim, global_positions(layout, S, P, r).to(x.device))
+    parts = [x.narrow(dim, start, n) for start, n in runs]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _all_gather(local: torch.Tensor, dim: int, group, P: int) -> torch.Tensor:
+    local = local.contiguous()
+    pieces = [torch.empty_like(local) for _ in range(P)]
+    dist.all_gather(pieces, local, group=group)
+    return torch.cat(pieces, dim)
+
+
+class _Gather(torch.autograd.Function):
+    """Forward: all-gather over the sequence group. Backward: keep this rank's slice."""
+
+    @staticmethod
+    def forward(ctx, local, dim, layout, P, r, group):
+        ctx.meta = (dim, layout, P, r)
+        S = local.size(dim) * P
+        joined = _all_gather(local, dim, group, P)
+        return joined.index_select(dim, gather_order(layout, S, P).to(local.device))
+
+    @staticmethod
+    def backward(ctx, grad):
+        dim, layout, P, r = ctx.meta
+        return shard_tensor(grad, dim, layout, P, r), None, None, None, None, None
+
+
+def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
+    """Full tensor -> this rank's slice along ``dim`` by ``sp.layout``.
+
+    Raises ``RingSeqError`` if the length along ``dim`` cannot be split by the layout.
+    """
+    return shard_tensor(x, dim, sp.layout, sp.size, sp.rank)
+
+
+def gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
+    """This rank's slice -> the full tensor, in global order (inverse of ``shard``)."""
+    dim = _dim(local, dim)
+    if sp.size == 1:
+        return local
+    return _Gather.apply(local, dim, sp.layout, sp.size, sp.rank, sp.group)

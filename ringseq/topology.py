@@ -1,0 +1,149 @@
+"""Process groups for sequence parallelism, carved once from a named DeepSpeed topology.
+
+The world is a grid ``data x ring x ulysses`` (DeepSpeed ``ProcessTopology``; the last axis
+varies fastest), so the ranks of one sequence group are adjacent and a ring stays inside a
+node whenever the sequence group fits in one. Every rank builds every group in the same order,
+as torch.distributed requires.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import torch
+import torch.distributed as dist
+
+from .errors import RingSeqError
+from .layouts import check_layout
+
+AXES = ("data", "ring", "ulysses")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True, eq=False)
+class SequenceParallel:
+    """This rank's place in the sequence-parallel topology. Built by ``ringseq.init``.
+
+    Everything that communicates takes this object; nothing in ringseq looks it up globally.
+    """
+
+    group: dist.ProcessGroup
+    """The sequence group: the ranks that together hold one sequence (size ``size``)."""
+    rank: int
+    """This rank's index inside ``group``."""
+    size: int
+    """Ranks per sequence (``sp_size``)."""
+    ranks: tuple[int, ...]
+    """Global ranks of ``group`` in group order (point-to-point sends address these)."""
+    dp_group: dist.ProcessGroup
+    """Ranks that hold the same sequence position of different samples."""
+    dp_rank: int
+    """This rank's index inside ``dp_group``."""
+    dp_size: int
+    """Number of data-parallel replicas (world / sp_size)."""
+    layout: str
+    """How tokens are spread over the sequence group (see ``ringseq.layouts``)."""
+    ring_group: dist.ProcessGroup
+    """Ranks that exchange K/V blocks around the ring (size sp_size / ulysses_size)."""
+    ring_rank: int
+    ring_size: int
+    ring_ranks: tuple[int, ...]
+    """Global ranks of ``ring_group`` in ring order."""
+    ulysses_group: dist.ProcessGroup | None
+    """Adjacent ranks that trade heads for sequence by all-to-all (None when ulysses_size is 1)."""
+    ulysses_rank: int
+    ulysses_size: int
+    grad_group: dist.ProcessGroup
+    """All ranks that hold a replica of the weights (sequence x data): gradients are summed
+    over it and divided by ``dp_size``."""
+    mpu: object
+    """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _ensure_process_group(backend: str | None) -> None:
+    """Join the launcher's process group, or make a one-process world when there is none."""
+    if dist.is_initialized():
+        return
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if "WORLD_SIZE" in os.environ:  # set by torchrun, deepspeed and accelerate launchers
+        dist.init_process_group(backend)
+    else:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                                rank=0, world_size=1)
+
+
+def _size_equation(world: int, sp_size: int, ulysses_size: int) -> str:
+    data = world // sp_size if sp_size and world % sp_size == 0 else world / max(sp_size, 1)
+    ring = sp_size // ulysses_size if ulysses_size and sp_size % ulysses_size == 0 else "?"
+    return (f"world {world} is not data {data:g} x ring {ring} x ulysses {ulysses_size} "
+            f"(sp_size {sp_size} = ring x ulysses)")
+
+
+def _check_sizes(world: int, sp_size: int, ulysses_size: int) -> None:
+    if not isinstance(sp_size, int) or sp_size < 1:
+        raise RingSeqError(f"sp_size must be a positive integer, got {sp_size!r}")
+    if not isinstance(ulysses_size, int) or ulysses_size < 1:
+        raise RingSeqError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
+    if sp_size % ulysses_size:
+        raise RingSeqError(f"{_size_equation(world, sp_size, ulysses_size)}: ulysses_size "
+                           f"{ulysses_size} must divide sp_size {sp_size}")
+    if world % sp_size:
+        raise RingSeqError(f"{_size_equation(world, sp_size, ulysses_size)}: sp_size {sp_size} must "
+                           f"divide the world size; launch a multiple of {sp_size} processes")
+
+
+def _build_groups(lists: list[list[int]], me: int):
+    """Create one group per rank list (every rank calls for every list); return mine."""
+    mine = None
+    for ranks in lists:
+        group = dist.new_group(ranks)
+        if me in ranks:
+            mine = (group, tuple(ranks))
+    return mine
+
+
+def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *,
+         backend: str | None = None) -> SequenceParallel:
+    """Carve the world into sequence groups and return this rank's ``SequenceParallel``.
+
+    ``sp_size`` ranks hold one sequence: ``sp_size / ulysses_size`` of them form a ring, and
+    inside each ring position ``ulysses_size`` adjacent ranks split heads by all-to-all.
+    The remaining factor, ``world / sp_size``, is data parallelism. Joins the launcher's
+    process group (torchrun, deepspeed, accelerate), or starts a one-process world.
+    """
+    from deepspeed.runtime.pipe.topology import ProcessTopology
+
+    from .mpu import SequenceParallelMPU
+
+    check_layout(layout)
+    _ensure_process_group(backend)
+    world, me = dist.get_world_size(), dist.get_rank()
+    _check_sizes(world, sp_size, ulysses_size)
+    dims = [world // sp_size, sp_size // ulysses_size, ulysses_size]
+    topo = ProcessTopology(axes=list(AXES), dims=dims)
+
+    seq_lists = [topo.filter_match(data=d) for d in range(dims[0])]
+    group, ranks = _build_groups(seq_lists, me)
+    dp_group, dp_ranks = _build_groups(topo.get_axis_comm_lists("data"), me)
+    ring_group, ring_ranks = _build_groups(topo.get_axis_comm_lists("ring"), me)
+    if ulysses_size > 1:
+        ulysses_group, uly_ranks = _build_groups(topo.get_axis_comm_lists("ulysses"), me)
+    else:
+        ulysses_group, uly_ranks = None, (me,)
+    grad_group = dist.new_group(list(range(world))) if world > 1 else group
+    coord = topo.get_coord(me)
+    fields = dict(
+        group=group, rank=ranks.index(me), size=sp_size, ranks=ranks,
+        dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=dims[0], layout=layout,
+        ring_group=ring_group, ring_rank=coord.ring, ring_size=dims[1], ring_ranks=ring_ranks,
+        ulysses_group=ulysses_group, ulysses_rank=uly_ranks.index(me), ulysses_size=ulysses_size,
+        grad_group=grad_group)
+    mpu = SequenceParallelMPU(**{k: fields[k] for k in (
+        "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
+    return SequenceParallel(**fields, mpu=mpu)

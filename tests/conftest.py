@@ -1,0 +1,34 @@
+"""Shared fixtures: pools of gloo CPU processes, one per world size, kept for the session."""
+import pytest
+
+from ringseq.testing import DistPool
+
+_pools = {}
+
+
+def pool_for(world_size: int) -> DistPool:
+    if world_size not in _pools:
+        _pools[world_size] = DistPool(world_size)
+    return _pools[world_size]
+
+
+@pytest.fixture(params=[1, 2, 4], ids=lambda w: f"world{w}")
+def pool(request):
+    """A running pool of 1, 2 or 4 ranks (each test runs at every world size)."""
+    return pool_for(request.param)
+
+
+@pytest.fixture
+def pool2():
+    return pool_for(2)
+
+
+@pytest.fixture
+def pool4():
+    return pool_for(4)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    for p in _pools.values():
+        p.close()
+    _pools.clear()
