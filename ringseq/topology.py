@@ -79,10 +79,10 @@ def _ensure_process_group(backend: str | None) -> None:
 
 
 def _size_equation(world: int, sp_size: int, ulysses_size: int) -> str:
-    data = world // sp_size if sp_size and world % sp_size == 0 else world / max(sp_size, 1)
-    ring = sp_size // ulysses_size if ulysses_size and sp_size % ulysses_size == 0 else "?"
-    return (f"world {world} is not data {data:g} x ring {ring} x ulysses {ulysses_size} "
-            f"(sp_size {sp_size} = ring x ulysses)")
+    ring = f"{sp_size // ulysses_size}" if sp_size % ulysses_size == 0 else f"{sp_size}/{ulysses_size}"
+    data = f"{world // sp_size}" if world % sp_size == 0 else "N"
+    tail = "" if data != "N" else " for any whole N"
+    return f"world {world} is not data {data} x ring {ring} x ulysses {ulysses_size}{tail}"
 
 
 def _check_sizes(world: int, sp_size: int, ulysses_size: int) -> None:
