@@ -1,0 +1,23 @@
+"""The ``ringseq`` command: a parser, one function per subcommand, and ``main``."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from . import env_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ringseq", description="Exact ring attention for long-context fine-tuning.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    env_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,42 @@
+"""``ringseq env``: versions, communication backends and the block kernel each device gets."""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+
+PACKAGES = ("ringseq", "torch", "deepspeed", "transformers", "accelerate")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("env", help="print versions, backends and kernel choices")
+    p.set_defaults(run=run)
+
+
+def report() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from ringseq.kernels import select
+
+    info = {"python": platform.python_version()}
+    for name in PACKAGES:
+        try:
+            info[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            info[name] = "not installed"
+    info["gloo"] = dist.is_gloo_available()
+    info["nccl"] = dist.is_nccl_available()
+    info["cuda devices"] = torch.cuda.device_count()
+    info["cpu threads"] = torch.get_num_threads()
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    for device in devices:
+        for dtype in (torch.float32, torch.bfloat16):
+            q = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
+            info[f"kernel {device} {str(dtype).removeprefix('torch.')}"] = select(q).name
+    return info
+
+
+def run(args) -> int:
+    for key, value in report().items():
+        print(f"{key:>22}: {value}")
+    return 0
