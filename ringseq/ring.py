@@ -47,8 +47,16 @@ def _merge(out_acc, lse_acc, rows: slice, o, l):
     w_old = torch.exp(old - new).nan_to_num_(0.0).unsqueeze(-1)  # nan only where both are -inf
     w_new = torch.exp(l - new).nan_to_num_(0.0).unsqueeze(-1)
     acc = out_acc[..., rows, :]
-    acc.mul_(w_old).add_(o.to(acc.dtype) * w_new)
+    acc.mul_(w_old).addcmul_(o.to(acc.dtype), w_new.to(acc.dtype))
     lse_acc[..., rows] = new
+
+
+def _empty_if_none(out_acc, lse_acc, shape, dtype, device):
+    """The accumulators of rows that have seen no key yet: output 0, log-sum-exp -inf."""
+    if out_acc is not None:
+        return out_acc, lse_acc
+    return (torch.zeros(shape, dtype=dtype, device=device),
+            torch.full(shape[:-1], float("-inf"), dtype=dtype, device=device))
 
 
 def ring_forward(q, k, v, opts: RingOptions):
@@ -56,8 +64,7 @@ def ring_forward(q, k, v, opts: RingOptions):
     kernel = select(q, opts.kernel)
     B, H, s, D = q.shape
     acc = _acc_dtype(q)
-    out_acc = torch.zeros(B, H, s, D, dtype=acc, device=q.device)
-    lse_acc = torch.full((B, H, s), float("-inf"), dtype=acc, device=q.device)
+    out_acc, lse_acc = None, None
     comm = RingComm(opts.group, opts.ranks, opts.r) if opts.P > 1 else None
     kv, aux = (k.contiguous(), v.contiguous()), None
     for t in range(opts.P):
@@ -67,9 +74,14 @@ def ring_forward(q, k, v, opts: RingOptions):
             o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows],
                                      kv[1][:, :, call.k_rows], call.causal, opts.scale)
             aux = aux if aux is not None else a
+            if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
+                out_acc, lse_acc = o.to(acc), l.to(acc)
+                continue
+            out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
             _merge(out_acc, lse_acc, call.q_rows, o, l)
         if pending is not None:
             kv = tuple(pending.wait())
+    out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
     return out_acc.to(q.dtype), lse_acc.float(), aux
 
 

@@ -1,0 +1,120 @@
+"""Shared parts of the benchmarks: process trees, timing, memory, deterministic inputs.
+
+Each measurement runs in a fresh tree of processes (spawned, gloo on a free port), so one
+implementation's allocator state never leaks into another's. Times are the median over
+repetitions of the slowest rank's time; memory is each rank's peak resident set above its
+resident set before inputs were made (so it counts inputs, outputs, gradients and workspace).
+"""
+from __future__ import annotations
+
+import json
+import os
+import resource
+import statistics
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from ringseq.testing import free_port
+
+BLOCK = 256  # inputs are generated in blocks of this many tokens, each from its own seed
+
+
+def _entry(rank, world, port, threads, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, None, fn(*args)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - reported by the parent
+        results.put((rank, traceback.format_exc(), None))
+
+
+def run_tree(fn, nprocs: int, threads: int, *args, timeout: float = 3600.0):
+    """Run ``fn(*args)`` in ``nprocs`` fresh processes of ``threads`` threads each; return
+    rank 0's result (every rank's failure is raised)."""
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_entry, args=(r, nprocs, port, threads, fn, args, results))
+             for r in range(nprocs)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        for _ in range(nprocs):
+            rank, err, value = results.get(timeout=timeout)
+            if err:
+                raise RuntimeError(f"rank {rank} failed:\n{err}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return got[0]
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def slowest(seconds: float) -> float:
+    """The largest value over all ranks (a step is as slow as its slowest rank)."""
+    t = torch.tensor([seconds], dtype=torch.float64)
+    if dist.get_world_size() > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def timed_ms(step, reps: int) -> float:
+    """Median over ``reps`` of the slowest rank's wall time of ``step()``, in ms."""
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        times.append(slowest(time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def tokens(positions: torch.Tensor, B: int, heads: int, D: int, seed: int) -> torch.Tensor:
+    """[B, heads, len(positions), D] fp32 values for the given global token positions; the
+    same position always gets the same values, so shards agree with the full tensor."""
+    blocks = positions // BLOCK
+    out = torch.empty(B, heads, len(positions), D)
+    for b in torch.unique(blocks).tolist():
+        g = torch.Generator().manual_seed(seed * 1_000_003 + b)
+        block = torch.randn(B, heads, BLOCK, D, generator=g)
+        sel = (blocks == b).nonzero().squeeze(1)
+        out[:, :, sel] = block[:, :, positions[sel] % BLOCK]
+    return out
+
+
+def exact_rows(q_rows, q_pos, k, v, scale: float) -> torch.Tensor:
+    """float64 causal attention of a few query rows (at global positions ``q_pos``) over full
+    k/v; the independent reference for ``max_err``."""
+    H, K = q_rows.size(1), k.size(1)
+    kk = k.double().repeat_interleave(H // K, 1)
+    vv = v.double().repeat_interleave(H // K, 1)
+    s = q_rows.double() @ kk.transpose(-1, -2) * scale
+    s = s.masked_fill(torch.arange(k.size(2))[None, :] > q_pos[:, None], float("-inf"))
+    return torch.softmax(s, -1) @ vv
+
+
+def emit(record: dict, path: str | None) -> None:
+    line = json.dumps(record)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
