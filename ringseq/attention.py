@@ -7,7 +7,10 @@ import torch
 
 from .errors import RingSeqError
 from .layouts import multiple
+from .masks import TokenInfo, documents
 from .ring import RingAttention, RingOptions
+from .sharding import gather
+from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
 
 
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
@@ -24,31 +27,96 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None
         raise RingSeqError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA/MQA)")
     if not (q.dtype == k.dtype == v.dtype):
         raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (s * sp.ring_size) % multiple(sp.layout, sp.ring_size):
+    if (s * sp.size) % multiple(sp.layout, sp.ring_size, sp.ulysses_size):
         raise RingSeqError(f"local length {s} cannot come from layout {sp.layout!r} over "
-                           f"{sp.ring_size} ranks: shard the sequence with ringseq.shard")
+                           f"{sp.size} ranks: shard the sequence with ringseq.shard")
+
+
+def _check_features(q, causal, window, softcap, sinks) -> None:
+    if window is not None:
+        if not causal:
+            raise RingSeqError("window (sliding-window attention) is defined for causal attention "
+                               "only (query i sees key j when 0 <= i - j < window); pass causal=True")
+        if int(window) != window or window < 1:
+            raise RingSeqError(f"window must be a positive integer, got {window!r}")
+    if softcap is not None and not softcap > 0:
+        raise RingSeqError(f"softcap must be a positive number, got {softcap!r}")
+    if sinks is not None and tuple(sinks.shape) != (q.size(1),):
+        raise RingSeqError(f"sinks must hold one logit per query head, shape [{q.size(1)}]; "
+                           f"got {tuple(sinks.shape)}")
+
+
+def token_info(sp, position_ids: torch.Tensor | None = None,
+               attention_mask: torch.Tensor | None = None) -> TokenInfo:
+    """Documents and padding of the whole sequence, from this rank's shards.
+
+    ``position_ids`` [B, s] (or [s]): this rank's shard of the global position ids; a new
+    document starts wherever ``position_ids[i] != position_ids[i-1] + 1``. ``attention_mask``
+    [B, s]: this rank's shard of the 2-D padding mask (1 = real token). Both are all-gathered
+    once (S integers per sample); build this once per forward and pass it to every layer as
+    ``ring_attention(..., token_info=...)``.
+    """
+    doc = valid = None
+    if position_ids is not None:
+        pos = gather(position_ids.reshape(-1, position_ids.size(-1)).long(), -1, sp=sp)
+        doc = documents(pos)
+        if not bool(doc.any()):
+            doc = None  # one document per sample: nothing to mask
+    if attention_mask is not None:
+        valid = gather(attention_mask.reshape(-1, attention_mask.size(-1)).long(), -1, sp=sp).bool()
+        if bool(valid.all()):
+            valid = None
+    return TokenInfo(doc=doc, valid=valid)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, causal: bool = True,
                    scale: float | None = None, position_ids=None, window=None, softcap=None,
-                   sinks=None, kernel: str | None = None) -> torch.Tensor:
+                   sinks=None, attention_mask=None, token_info: TokenInfo | None = None,
+                   kernel: str | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole (global) sequence.
 
     q [B,H,s,D], k/v [B,K,s,D] (H % K == 0; K/V cross the wire at K heads), each this rank's
-    shard by ``sp.layout``. Returns [B,H,s,D] in q's dtype; differentiable in q, k and v.
-    ``kernel`` forces a block backend (``cpu_flash``, ``cuda_flash``, ``torch``); by default
-    the fastest one that applies is chosen.
+    shard by ``sp.layout``. Returns [B,H,s,D] in q's dtype; differentiable in q, k, v and sinks.
+
+    position_ids  this rank's shard of the global position ids: packed documents attend only
+                  inside themselves (see ``token_info``).
+    window        query i sees key j when 0 <= i - j < window (transformers' sliding_window).
+    softcap       scores -> softcap * tanh(scores / softcap) (Gemma 2).
+    sinks         [H] logits that join every softmax denominator (gpt-oss).
+    attention_mask this rank's shard of the [B, S] padding mask (1 = real token): padding keys
+                  never contribute.
+    token_info    documents and padding prebuilt by ``ringseq.token_info`` (instead of the two
+                  above; saves their all-gather when many layers share them).
+    kernel        force a block backend (``cpu_flash``, ``cuda_flash``, ``torch``); by default
+                  the fastest one that can apply the features asked for.
     """
     _check_shapes(q, k, v, sp)
-    unsupported = {"position_ids": position_ids, "window": window, "softcap": softcap, "sinks": sinks}
-    named = [name for name, value in unsupported.items() if value is not None]
-    if named:
-        raise RingSeqError(f"{', '.join(named)} is not supported by this ringseq version; "
-                           f"leave it unset or upgrade ringseq")
-    if sp.ulysses_size > 1:
-        raise RingSeqError("ulysses_size > 1 is not supported by this ringseq version; "
-                           "use ringseq.init(sp_size=..., ulysses_size=1)")
+    _check_features(q, causal, window, softcap, sinks)
+    if token_info is None:
+        token_info = _token_info_or_none(sp, position_ids, attention_mask)
+    elif position_ids is not None or attention_mask is not None:
+        raise RingSeqError("pass either token_info or position_ids/attention_mask, not both")
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank,
-                       layout=sp.layout, causal=bool(causal), scale=scale, kernel=kernel)
-    return RingAttention.apply(q, k, v, opts)
+    opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
+                       causal=bool(causal), scale=scale, kernel=kernel,
+                       window=None if window is None else int(window),
+                       softcap=None if softcap is None else float(softcap), info=token_info)
+    U = sp.ulysses_size
+    if U == 1:
+        return RingAttention.apply(q, k, v, sinks, opts)
+    H, K = q.size(1), k.size(1)
+    copies = kv_replicas(H, K, U)
+    if copies > 1:  # only as many copies as give every Ulysses rank one kv head
+        k, v = k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
+    if sinks is not None:
+        h = H // U
+        sinks = sinks[sp.ulysses_rank * h:(sp.ulysses_rank + 1) * h]
+    q, k, v = (SeqToHeads.apply(t, sp.ulysses_group, U) for t in (q, k, v))
+    out = RingAttention.apply(q, k, v, sinks, opts)
+    return HeadsToSeq.apply(out, sp.ulysses_group, U)
+
+
+def _token_info_or_none(sp, position_ids, attention_mask) -> TokenInfo:
+    if position_ids is None and attention_mask is None:
+        return TokenInfo()
+    return token_info(sp, position_ids, attention_mask)

@@ -16,18 +16,18 @@ class RingComm:
     """
 
     def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int):
-        self.group = group
-        P = len(ranks)
-        self.next = ranks[(me + 1) % P]
-        self.prev = ranks[(me - 1) % P]
+        self.group, self.ranks, self.me = group, ranks, me
 
-    def post(self, tensors: list[torch.Tensor]) -> "Transfer":
-        """Start sending ``tensors`` to the next rank and receiving same-shaped ones from the
-        previous rank. Returns a handle; its ``wait()`` gives the received tensors."""
+    def post(self, tensors: list[torch.Tensor], shift: int = 1) -> "Transfer":
+        """Start sending ``tensors`` to the rank ``shift`` places ahead (the next one by
+        default) and receiving same-shaped ones from the rank ``shift`` places behind.
+        Returns a handle; its ``wait()`` gives the received tensors."""
+        P = len(self.ranks)
+        to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
         sends = [t.contiguous() for t in tensors]
         recvs = [torch.empty_like(t) for t in sends]
-        ops = [dist.P2POp(dist.isend, t, self.next, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, self.prev, self.group) for t in recvs]
+        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recvs]
         return Transfer(dist.batch_isend_irecv(ops), recvs, sends)
 
 

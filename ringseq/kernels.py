@@ -1,20 +1,26 @@
 """Block attention kernels: one interface, several backends (shapes: ``ringseq.shapes``).
 
-    forward(q [B,H,sq,D], k/v [B,K,sk,D], causal, scale) -> out [B,H,sq,D], lse fp32 [B,H,sq], aux
-    backward(dout, q, k, v, out, lse, aux, causal, scale) -> dq [B,H,sq,D], dk/dv [B,K,sk,D]
+    forward(q [B,H,sq,D], k/v [B,K,sk,D], causal, scale, mask, softcap)
+        -> out [B,H,sq,D], lse fp32 [B,H,sq], aux
+    backward(dout, q, k, v, out, lse, aux, causal, scale, mask, softcap)
+        -> dq [B,H,sq,D], dk/dv [B,K,sk,D]
 
 ``causal`` is top-left aligned: query i sees key j when j <= i (the ring only asks for it on
-square blocks). ``out``/``lse`` given to ``backward`` are the *merged* (global) output and
+square blocks). ``mask`` (a ``ringseq.masks.RowMask`` or None) replaces ``causal`` when given:
+it yields the visibility of a slab of rows at a time, so no kernel ever holds an sq x sk mask.
+A row that sees no key gets output 0 and log-sum-exp -inf. ``softcap`` c maps scores to
+c * tanh(scores / c) before the mask (Gemma 2). ``out``/``lse`` given to ``backward`` are the *merged* (global) output and
 log-sum-exp of those query rows, which is what makes a blockwise backward exact. ``aux`` is
 whatever a backend needs to carry from forward to backward (None for most).
 
 Backends, chosen per call by ``select`` unless one is named:
 
 ``cpu_flash``   ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward: fused,
-                returns the log-sum-exp, takes GQA natively (K < H) in both directions.
-``cuda_flash``  ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, D <= 256).
+                returns the log-sum-exp, takes GQA natively (K < H) in both directions, and
+                masks (as an additive mask, a slab of rows per call).
+``cuda_flash``  ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, D <= 256; no mask).
 ``torch``       plain PyTorch, blockwise over query rows so memory stays O(rows x sk); the
-                fallback for anything the fused kernels cannot take.
+                fallback for anything the fused kernels cannot take (softcap, masks on CUDA).
 """
 from __future__ import annotations
 
@@ -25,24 +31,53 @@ from .errors import RingSeqError
 aten = torch.ops.aten
 
 _ROWS = 512  # query rows per step of the PyTorch kernel: bounds its scores to 512 x sk
+_MASK_ROWS = 1024  # query rows per masked call of the CPU flash kernel: bounds its mask
 
 
 def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _slabs(n: int, size: int):
+    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _additive(visible: torch.Tensor, dtype) -> torch.Tensor:
+    """bool [B, rows, sk] -> [B, 1, rows, sk] of 0 / -inf in the query dtype."""
+    return torch.zeros(visible.shape, dtype=dtype).masked_fill_(~visible, float("-inf")).unsqueeze(1)
+
+
 class CpuFlash:
-    name = "cpu_flash"
+    name, takes_mask, takes_softcap = "cpu_flash", True, False
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
-        out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
-        return out, lse, None
+    def forward(q, k, v, causal, scale, mask=None, softcap=None):
+        op = aten._scaled_dot_product_flash_attention_for_cpu
+        if mask is None:
+            out, lse = op(q, k, v, 0.0, causal, scale=scale)
+            return out, lse, None
+        outs, lses = [], []
+        for rows in _slabs(q.size(2), _MASK_ROWS):
+            visible = mask.rows(rows.start, rows.stop)
+            out, lse = op(q[:, :, rows], k, v, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=scale)
+            # the kernel reports lse 0 for a row that sees nothing; the merge needs -inf
+            lses.append(lse.masked_fill(~visible.any(-1).unsqueeze(1), float("-inf")))
+            outs.append(out)
+        return torch.cat(outs, 2), torch.cat(lses, 2), None
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, aux, causal, scale):
-        return aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+    def backward(dout, q, k, v, out, lse, aux, causal, scale, mask=None, softcap=None):
+        op = aten._scaled_dot_product_flash_attention_for_cpu_backward
+        if mask is None:
+            return op(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
+        dq, dk, dv = torch.empty_like(q), 0, 0
+        for rows in _slabs(q.size(2), _MASK_ROWS):
+            am = _additive(mask.rows(rows.start, rows.stop), q.dtype)
+            gq, gk, gv = op(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows].contiguous(),
+                            0.0, False, attn_mask=am, scale=scale)
+            dq[:, :, rows] = gq
+            dk, dv = dk + gk.to(_acc_dtype(q)), dv + gv.to(_acc_dtype(q))
+        return dq, dk, dv
 
 
 class CudaFlash:
@@ -50,15 +85,15 @@ class CudaFlash:
     returns; with dense inputs and no dropout they are the same for every block, so the first
     block's copy serves all (as PyTorch's own ring attention does)."""
 
-    name = "cuda_flash"
+    name, takes_mask, takes_softcap = "cuda_flash", False, False
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, mask=None, softcap=None):
         out, lse, *aux = aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=scale)
         return out, lse, tuple(aux[:6])
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, aux, causal, scale):
+    def backward(dout, q, k, v, out, lse, aux, causal, scale, mask=None, softcap=None):
         cum_q, cum_k, _, _, seed, offset = aux
         return aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, out, lse.contiguous(), cum_q, cum_k, q.size(2), k.size(2), 0.0, causal,
@@ -71,30 +106,37 @@ def _grouped(q: torch.Tensor, K: int) -> torch.Tensor:
     return q.reshape(B, K, H // K, n, D)
 
 
-def _scores(q, k, rows: slice, causal: bool, scale: float) -> torch.Tensor:
-    # q [B,K,G,rows,D] (acc dtype), k [B,K,sk,D] -> scores [B,K,G,rows,sk]
+def _scores(q, k, rows: slice, causal: bool, scale: float, mask, softcap):
+    """q [B,K,G,rows,D] (acc dtype), k [B,K,sk,D] -> (scores [B,K,G,rows,sk] masked with -inf,
+    tanh of the capped scores or None)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    if causal:
+    t = None
+    if softcap is not None:
+        t = torch.tanh(s / softcap)
+        s = softcap * t
+    if mask is not None:
+        visible = mask.rows(rows.start, rows.stop)[:, None, None]  # [B,1,1,rows,sk]
+        s = s.masked_fill(~visible, float("-inf"))
+    elif causal:
         i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         j = torch.arange(k.size(-2), device=q.device)[None, :]
         s = s.masked_fill(j > i, float("-inf"))
-    return s
+    return s, t
 
 
 class TorchBlocks:
     """Attention in plain PyTorch, in fp32 (fp64 for fp64 inputs), ``_ROWS`` query rows at a time."""
 
-    name = "torch"
+    name, takes_mask, takes_softcap = "torch", True, True
 
     @staticmethod
-    def forward(q, k, v, causal, scale):
+    def forward(q, k, v, causal, scale, mask=None, softcap=None):
         acc = _acc_dtype(q)
         K, sq = k.size(1), q.size(2)
         qg, kf, vf = _grouped(q, K).to(acc), k.to(acc), v.to(acc)
         outs, lses = [], []
-        for a in range(0, sq, _ROWS):
-            rows = slice(a, min(a + _ROWS, sq))
-            s = _scores(qg[..., rows, :], kf, rows, causal, scale)
+        for rows in _slabs(sq, _ROWS):
+            s, _ = _scores(qg[..., rows, :], kf, rows, causal, scale, mask, softcap)
             lse = torch.logsumexp(s, dim=-1)
             p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows that see nothing
             outs.append(torch.matmul(p, vf.unsqueeze(2)))
@@ -103,7 +145,7 @@ class TorchBlocks:
         return out, torch.cat(lses, dim=-1).flatten(1, 2).float(), None
 
     @staticmethod
-    def backward(dout, q, k, v, out, lse, aux, causal, scale):
+    def backward(dout, q, k, v, out, lse, aux, causal, scale, mask=None, softcap=None):
         acc = _acc_dtype(q)
         K, sq = k.size(1), q.size(2)
         qg, kf, vf = _grouped(q, K).to(acc), k.to(acc), v.to(acc)
@@ -112,13 +154,14 @@ class TorchBlocks:
         dq = torch.empty_like(qg)
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
-        for a in range(0, sq, _ROWS):
-            rows = slice(a, min(a + _ROWS, sq))
-            s = _scores(qg[..., rows, :], kf, rows, causal, scale)
+        for rows in _slabs(sq, _ROWS):
+            s, t = _scores(qg[..., rows, :], kf, rows, causal, scale, mask, softcap)
             p = torch.exp(s - lseg[..., rows, :]).nan_to_num_(0.0)
             do = dog[..., rows, :]
             dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
             ds = p * (torch.matmul(do, vf.unsqueeze(2).transpose(-1, -2)) - delta[..., rows, :])
+            if t is not None:
+                ds = ds * (1 - t * t)  # through the cap: d(c tanh(x/c))/dx = 1 - tanh^2
             dq[..., rows, :] = torch.matmul(ds, kf.unsqueeze(2)) * scale
             dk += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
         return dq.flatten(1, 2), dk, dv
@@ -127,14 +170,20 @@ class TorchBlocks:
 BACKENDS = {b.name: b for b in (CpuFlash, CudaFlash, TorchBlocks)}
 
 
-def select(q: torch.Tensor, name: str | None = None):
+def select(q: torch.Tensor, name: str | None = None, *, masked: bool = False, softcap: bool = False):
     """The backend for these inputs: ``name`` if given, else the fastest one that applies."""
     if name is not None:
         if name not in BACKENDS:
             raise RingSeqError(f"unknown kernel {name!r}: choose one of {', '.join(BACKENDS)}")
-        return BACKENDS[name]
+        backend = BACKENDS[name]
+        if (masked and not backend.takes_mask) or (softcap and not backend.takes_softcap):
+            need = "a softcap" if softcap and not backend.takes_softcap else "a mask"
+            raise RingSeqError(f"kernel {name!r} cannot apply {need}; use kernel='torch' or leave kernel unset")
+        return backend
+    if softcap:
+        return TorchBlocks
     if q.is_cuda:
-        if q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256:
+        if not masked and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256:
             return CudaFlash
         return TorchBlocks
     if q.device.type == "cpu":

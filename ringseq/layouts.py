@@ -1,11 +1,15 @@
 """Which global tokens each rank of the ring holds (shapes: see ``ringseq.shapes``).
 
-Three layouts, all with s = S / P tokens per rank, kept in increasing global order:
+Three ring layouts, all with S / P tokens per ring rank, kept in increasing global order:
 
 ``contiguous``  rank r holds tokens [r*s, (r+1)*s).
 ``zigzag``      the sequence is cut into 2P chunks of c = S / 2P; rank r holds chunks r and
                 2P-1-r, so under a causal mask every rank does the same work (default).
 ``striped``     token i lives on rank i mod P (striped attention); also balanced.
+
+With Ulysses (``ulysses_size`` U > 1) each ring rank's tokens are further cut into U
+contiguous pieces, one per rank of its Ulysses group, so the all-to-all inside the group
+reassembles exactly the ring shard (``sp_positions``).
 
 The pure functions here are the single source of truth for the index math; sharding,
 gathering and the ring's block plan all read them.
@@ -27,20 +31,21 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def multiple(layout: str, P: int) -> int:
-    """The global length S must be a multiple of this number."""
-    return 2 * P if check_layout(layout) == "zigzag" else P
+def multiple(layout: str, P: int, U: int = 1) -> int:
+    """The global length S must be a multiple of this number (P ring ranks, U Ulysses ranks)."""
+    return (2 * P if check_layout(layout) == "zigzag" else P) * U
 
 
-def check_length(layout: str, S: int, P: int) -> int:
-    """Return the local length s, or raise if the layout cannot split S over P ranks."""
-    m = multiple(layout, P)
+def check_length(layout: str, S: int, P: int, U: int = 1) -> int:
+    """Return the local length S / (P U), or raise if the layout cannot split S."""
+    m = multiple(layout, P, U)
     if S % m:
         pad = -S % m
+        ranks = f"{P} ranks" if U == 1 else f"{P} ring x {U} Ulysses ranks"
         raise RingSeqError(
-            f"sequence length {S} cannot be split by layout {layout!r} over {P} ranks: it must be a "
+            f"sequence length {S} cannot be split by layout {layout!r} over {ranks}: it must be a "
             f"multiple of {m}; pad the sequence by {pad} tokens (to {S + pad}) or change sp_size/layout")
-    return S // P
+    return S // (P * U)
 
 
 def segments(layout: str, s: int, P: int, r: int) -> list[tuple[int, int]] | None:
@@ -69,10 +74,16 @@ def global_positions(layout: str, S: int, P: int, r: int) -> torch.Tensor:
     return _positions(layout, S, P, r)
 
 
-def gather_order(layout: str, S: int, P: int) -> torch.Tensor:
-    """Permutation that turns the concatenated shards of ranks 0..P-1 into global order.
+@functools.lru_cache(maxsize=64)
+def sp_positions(layout: str, S: int, P: int, U: int, rank: int) -> torch.Tensor:
+    """Global indices held by sequence rank ``rank`` = ring rank x U + Ulysses rank."""
+    check_length(layout, S, P, U)
+    return global_positions(layout, S, P, rank // U).chunk(U)[rank % U]
 
-    ``full = cat(shards)[gather_order]``.
-    """
-    owner_order = torch.cat([global_positions(layout, S, P, r) for r in range(P)])
+
+@functools.lru_cache(maxsize=64)
+def gather_order(layout: str, S: int, P: int, U: int = 1) -> torch.Tensor:
+    """Permutation that turns the concatenated shards of sequence ranks 0..PU-1 into global
+    order: ``full = cat(shards)[gather_order]``."""
+    owner_order = torch.cat([sp_positions(layout, S, P, U, r) for r in range(P * U)])
     return torch.argsort(owner_order)

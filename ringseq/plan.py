@@ -80,3 +80,23 @@ def block_plan(layout: str, s: int, P: int, r: int, j: int, causal: bool) -> tup
             return (Call(whole, whole, True),)
         return (Call(slice(1, s), slice(0, s - 1), True),) if s > 1 else ()
     return _runs_plan(segments(layout, s, P, r), segments(layout, s, P, j))
+
+
+@functools.lru_cache(maxsize=1024)
+def run_calls(layout: str, s: int, P: int, r: int, j: int, causal: bool) -> tuple[Call, ...]:
+    """Like ``block_plan`` but one call per (query run, key run) pair, never merged, so that
+    each call spans one contiguous range of global indices on each side (masks use this to
+    bound the visible pairs tightly)."""
+    if layout == "striped" or not causal:
+        return block_plan(layout, s, P, r, j, causal)
+    q_runs, k_runs = segments(layout, s, P, r), segments(layout, s, P, j)
+    calls, qa = [], 0
+    for q_run in q_runs:
+        ka = 0
+        for k_run in k_runs:
+            rel = _relation(q_run, k_run)
+            if rel != "none":
+                calls.append(Call(slice(qa, qa + q_run[1]), slice(ka, ka + k_run[1]), rel == "causal"))
+            ka += k_run[1]
+        qa += q_run[1]
+    return tuple(calls)

@@ -2,14 +2,20 @@
 
 Shapes (``ringseq.shapes``): q [B,H,s,D], k/v [B,K,s,D], out [B,H,s,D], lse fp32 [B,H,s].
 
-Forward, at step t = 0..P-1, rank r holds the K/V block of rank j = (r - t) mod P. It posts
-the transfer of that block to rank r+1, computes the calls of ``block_plan(r, j)``, merges the
+Forward, at step t = 0..T-1, rank r holds the K/V block of rank j = (r - t) mod P. It posts
+the transfer of that block to rank r+1, computes the calls the schedule lists for (r, j)
+(``ringseq.masks.ring_schedule``: hidden blocks skipped, masks only where needed), merges the
 partial outputs into an fp32 (fp64 for fp64 inputs) accumulator by log-sum-exp, then waits.
+T is P for plain causal attention; windows and documents can make it as small as 1.
 
 Backward runs the same ring with the merged ``out``/``lse``. The dK/dV of block j travel with
-it: each rank adds its contribution to the accumulator it received and passes it on, so after
-P hops every accumulator is back with the rank that owns the block. Only the K kv heads cross
-the wire, never copies repeated to H heads.
+it: each rank adds its contribution to the accumulator it received and passes it on; after
+the last step one transfer sends every accumulator home (for T = P that is the next rank).
+Only the K kv heads cross the wire, never copies repeated to H heads.
+
+Sinks (one logit per head in every softmax denominator, gpt-oss) need no kernel support: they
+are folded into the merged log-sum-exp once, after the ring, and the blockwise backward with
+that log-sum-exp is exact; their own gradient is -sum_i p_sink(i) * <dout_i, out_i>.
 """
 from __future__ import annotations
 
@@ -20,7 +26,8 @@ import torch.distributed as dist
 
 from .comm import RingComm
 from .kernels import _acc_dtype, select
-from .plan import block_plan
+from .layouts import global_positions
+from .masks import RowMask, TokenInfo, ring_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,10 +41,38 @@ class RingOptions:
     causal: bool
     scale: float
     kernel: str | None = None
+    window: int | None = None
+    softcap: float | None = None
+    info: TokenInfo = dataclasses.field(default_factory=TokenInfo)
 
     @property
     def P(self) -> int:
         return len(self.ranks)
+
+
+class _Schedule:
+    """This rank's view of the ring schedule: calls per step, kernels, masks."""
+
+    def __init__(self, q, opts: RingOptions):
+        B, _, s, _ = q.shape
+        self.opts, self.B, self.S = opts, B, s * opts.P
+        plans, self.steps = ring_schedule(opts.layout, self.S, opts.P, opts.causal, opts.info, opts.window)
+        self.plan = plans[opts.r]
+        capped = opts.softcap is not None
+        self.kernels = {m: select(q, opts.kernel, masked=m, softcap=capped) for m in (False, True)}
+        self.comm = RingComm(opts.group, opts.ranks, opts.r) if self.steps > 1 else None
+
+    def calls(self, t: int):
+        """(call, kernel, mask) for ring step t."""
+        o = self.opts
+        j = (o.r - t) % o.P
+        for mc in self.plan[t]:
+            mask = None
+            if mc.masked:
+                qpos = global_positions(o.layout, self.S, o.P, o.r)[mc.call.q_rows]
+                kpos = global_positions(o.layout, self.S, o.P, j)[mc.call.k_rows]
+                mask = RowMask(qpos, kpos, o.info, o.window, o.causal, self.B)
+            yield mc.call, self.kernels[mc.masked], mask
 
 
 def _merge(out_acc, lse_acc, rows: slice, o, l):
@@ -59,20 +94,26 @@ def _empty_if_none(out_acc, lse_acc, shape, dtype, device):
             torch.full(shape[:-1], float("-inf"), dtype=dtype, device=device))
 
 
-def ring_forward(q, k, v, opts: RingOptions):
-    """Return (out in q dtype, lse fp32, aux for the backward kernel)."""
-    kernel = select(q, opts.kernel)
+def _fold_sinks(out, lse, sinks):
+    """Add exp(sink[h]) to every softmax denominator of head h, in place."""
+    sink = sinks.to(lse.dtype)[None, :, None]
+    new = torch.logaddexp(lse, sink)
+    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    lse.copy_(new)
+
+
+def ring_forward(q, k, v, sinks, opts: RingOptions):
+    """Return (out in q dtype, lse [B,H,s] in the accumulation dtype, aux for the backward kernel)."""
+    sched = _Schedule(q, opts)
     B, H, s, D = q.shape
     acc = _acc_dtype(q)
-    out_acc, lse_acc = None, None
-    comm = RingComm(opts.group, opts.ranks, opts.r) if opts.P > 1 else None
-    kv, aux = (k.contiguous(), v.contiguous()), None
-    for t in range(opts.P):
-        j = (opts.r - t) % opts.P
-        pending = comm.post(list(kv)) if t < opts.P - 1 else None
-        for call in block_plan(opts.layout, s, opts.P, opts.r, j, opts.causal):
-            o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows],
-                                     kv[1][:, :, call.k_rows], call.causal, opts.scale)
+    out_acc = lse_acc = aux = None
+    kv = (k.contiguous(), v.contiguous())
+    for t in range(sched.steps):
+        pending = sched.comm.post(list(kv)) if t < sched.steps - 1 else None
+        for call, kernel, mask in sched.calls(t):
+            o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows],
+                                     call.causal, opts.scale, mask, opts.softcap)
             aux = aux if aux is not None else a
             if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
                 out_acc, lse_acc = o.to(acc), l.to(acc)
@@ -82,54 +123,64 @@ def ring_forward(q, k, v, opts: RingOptions):
         if pending is not None:
             kv = tuple(pending.wait())
     out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
-    return out_acc.to(q.dtype), lse_acc.float(), aux
+    if sinks is not None:
+        _fold_sinks(out_acc, lse_acc, sinks)
+    return out_acc.to(q.dtype), lse_acc, aux
 
 
-def ring_backward(dout, q, k, v, out, lse, aux, opts: RingOptions):
-    """Return (dq, dk, dv) in the input dtypes; accumulation is fp32 (fp64 for fp64 inputs)."""
-    kernel = select(q, opts.kernel)
-    s, acc = q.size(2), _acc_dtype(q)
+def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
+    """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
+    sched = _Schedule(q, opts)
+    acc = _acc_dtype(q)
     dout = dout.contiguous()
+    # A row that sees no key at all (lse -inf) has output 0 and passes no gradient; +inf
+    # makes every exp(score - lse) of that row exactly 0 instead of nan.
+    lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    comm = RingComm(opts.group, opts.ranks, opts.r) if opts.P > 1 else None
     kv, travelling = (k.contiguous(), v.contiguous()), None
-    for t in range(opts.P):
-        j = (opts.r - t) % opts.P
-        pending_kv = comm.post(list(kv)) if t < opts.P - 1 else None
+    for t in range(sched.steps):
+        last = t == sched.steps - 1
+        pending_kv = None if last else sched.comm.post(list(kv))
         dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
-        for call in block_plan(opts.layout, s, opts.P, opts.r, j, opts.causal):
+        for call, kernel, mask in sched.calls(t):
             qr, kr = call.q_rows, call.k_rows
             gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                                         out[:, :, qr], lse[:, :, qr], aux, call.causal, opts.scale)
+                                         out[:, :, qr], lse_b[:, :, qr], aux, call.causal, opts.scale,
+                                         mask, opts.softcap)
             dq[:, :, qr] += gq
             dk[:, :, kr] += gk
             dv[:, :, kr] += gv
-        if comm is None:
-            return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
         if travelling is not None:  # block j's accumulators, from the rank that held it before
             dk_in, dv_in = travelling.wait()
             dk += dk_in
             dv += dv_in
-        travelling = comm.post([dk, dv])
-        if pending_kv is not None:
+        if not last:
+            travelling = sched.comm.post([dk, dv])
             kv = tuple(pending_kv.wait())
-    dk, dv = travelling.wait()  # our own block's gradients, home after P hops
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if sched.steps > 1:  # send each accumulator home to the rank that owns the block
+        dk, dv = sched.comm.post([dk, dv], shift=-(sched.steps - 1)).wait()
+    dsinks = None
+    if sinks is not None:
+        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [B,H,s]
+        p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)
+        dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
 class RingAttention(torch.autograd.Function):
-    """Forward: P-1 point-to-point K/V hops around the ring, overlapped with block compute.
-    Backward: P-1 K/V hops again, plus P hops of the fp32 dK/dV accumulators."""
+    """Forward: up to P-1 point-to-point K/V hops around the ring, overlapped with block
+    compute. Backward: the same K/V hops again, plus the fp32 dK/dV accumulators travelling
+    with them and one final hop home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, opts: RingOptions):
-        out, lse, aux = ring_forward(q, k, v, opts)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, opts: RingOptions):
+        out, lse, aux = ring_forward(q, k, v, sinks, opts)
+        ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.opts, ctx.aux = opts, aux
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        return (*ring_backward(dout, q, k, v, out, lse, ctx.aux, ctx.opts), None)
+        q, k, v, sinks, out, lse = ctx.saved_tensors
+        return (*ring_backward(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)

@@ -17,22 +17,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .layouts import check_length, gather_order, global_positions, segments
+from .layouts import check_length, gather_order, segments, sp_positions
 
 
 def _dim(x: torch.Tensor, dim: int) -> int:
     return dim % x.dim()
 
 
-def shard_tensor(x: torch.Tensor, dim: int, layout: str, P: int, r: int) -> torch.Tensor:
-    """Rank r's slice of the full tensor ``x`` along ``dim`` (no communication, no autograd
-    function needed: slicing is differentiable)."""
+def shard_tensor(x: torch.Tensor, dim: int, layout: str, P: int, r: int, U: int = 1) -> torch.Tensor:
+    """Sequence rank r's slice of the full tensor ``x`` along ``dim`` (P ring x U Ulysses
+    ranks; no communication, no autograd function needed: slicing is differentiable)."""
     dim = _dim(x, dim)
     S = x.size(dim)
-    s = check_length(layout, S, P)
-    runs = segments(layout, s, P, r)
-    if runs is None:  # striped
-        return x.index_select(dim, global_positions(layout, S, P, r).to(x.device))
+    s = check_length(layout, S, P, U)
+    runs = segments(layout, s, P, r) if U == 1 else None
+    if runs is None:  # striped, or pieces of ring shards
+        return x.index_select(dim, sp_positions(layout, S, P, U, r).to(x.device))
     parts = [x.narrow(dim, start, n) for start, n in runs]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
@@ -48,16 +48,16 @@ class _Gather(torch.autograd.Function):
     """Forward: all-gather over the sequence group. Backward: keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx, local, dim, layout, P, r, group):
-        ctx.meta = (dim, layout, P, r)
-        S = local.size(dim) * P
-        joined = _all_gather(local, dim, group, P)
-        return joined.index_select(dim, gather_order(layout, S, P).to(local.device))
+    def forward(ctx, local, dim, layout, P, U, r, group):
+        ctx.meta = (dim, layout, P, r, U)
+        S = local.size(dim) * P * U
+        joined = _all_gather(local, dim, group, P * U)
+        return joined.index_select(dim, gather_order(layout, S, P, U).to(local.device))
 
     @staticmethod
     def backward(ctx, grad):
-        dim, layout, P, r = ctx.meta
-        return shard_tensor(grad, dim, layout, P, r), None, None, None, None, None
+        dim, layout, P, r, U = ctx.meta
+        return shard_tensor(grad, dim, layout, P, r, U), None, None, None, None, None, None
 
 
 def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
@@ -65,7 +65,7 @@ def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
 
     Raises ``RingSeqError`` if the length along ``dim`` cannot be split by the layout.
     """
-    return shard_tensor(x, dim, sp.layout, sp.size, sp.rank)
+    return shard_tensor(x, dim, sp.layout, sp.ring_size, sp.rank, sp.ulysses_size)
 
 
 def gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
@@ -73,4 +73,4 @@ def gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
     dim = _dim(local, dim)
     if sp.size == 1:
         return local
-    return _Gather.apply(local, dim, sp.layout, sp.size, sp.rank, sp.group)
+    return _Gather.apply(local, dim, sp.layout, sp.ring_size, sp.ulysses_size, sp.rank, sp.group)

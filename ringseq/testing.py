@@ -45,8 +45,8 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
 class DistPool:
     """``world_size`` gloo processes that run functions together. Use as a context manager."""
 
-    def __init__(self, world_size: int, timeout: float = 300.0):
-        self.world_size, self.timeout = world_size, timeout
+    def __init__(self, world_size: int, timeout: float = 300.0, grace: float = 20.0):
+        self.world_size, self.timeout, self.grace = world_size, timeout, grace
         ctx = mp.get_context("spawn")
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(world_size)]
@@ -62,10 +62,15 @@ class DistPool:
             q.put((fn, args, kwargs))
         out, failures = [None] * self.world_size, []
         for _ in range(self.world_size):
+            # once a rank has failed, the others may wait forever on a collective it skipped
+            timeout = self.grace if failures else self.timeout
             try:
-                rank, err, value = self._results.get(timeout=self.timeout)
+                rank, err, value = self._results.get(timeout=timeout)
             except queue.Empty:
                 self.close(force=True)
+                if failures:
+                    failures.append(f"(the other ranks did not finish within {self.grace:.0f}s after that)")
+                    break
                 raise TimeoutError(f"{fn.__name__} did not finish on all {self.world_size} ranks "
                                    f"within {self.timeout:.0f}s (a hang or a rank that died)") from None
             out[rank] = value
@@ -75,6 +80,10 @@ class DistPool:
             raise AssertionError(f"{fn.__name__} failed on {len(failures)} of {self.world_size} ranks:\n"
                                  + "\n".join(sorted(failures)))
         return out
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self._procs)
 
     def close(self, force: bool = False) -> None:
         for q, p in zip(self._jobs, self._procs):

@@ -7,7 +7,7 @@ _pools = {}
 
 
 def pool_for(world_size: int) -> DistPool:
-    if world_size not in _pools:
+    if world_size not in _pools or not _pools[world_size].alive:  # a failed test may kill a pool
         _pools[world_size] = DistPool(world_size)
     return _pools[world_size]
 

@@ -1,0 +1,144 @@
+"""Test bodies that run on every rank of a DistPool (they must be importable by the workers)."""
+import itertools
+
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.testing import assert_close, sdpa_reference
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_qkv(B, H, K, S, D, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    k = torch.randn(B, K, S, D, generator=g, dtype=torch.float64)
+    v = torch.randn(B, K, S, D, generator=g, dtype=torch.float64)
+    dout = torch.randn(B, H, S, D, generator=g, dtype=torch.float64)
+    return q, k, v, dout
+
+
+def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0):
+    """ringseq's out, dq, dk, dv on this rank's shard vs the float64 full-sequence reference."""
+    q, k, v, dout = make_qkv(B, H, K, S, D, seed)
+    ref = sdpa_reference(q, k, v, dout, causal=causal)
+    plain = sdpa_reference(*(t.to(dtype) for t in (q, k, v, dout)), causal=causal)
+    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel)
+    out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
+    case = f"rank {sp.rank}/{sp.size} {sp.layout} {dtype} causal={causal} B{B} H{H} K{K} S{S} D{D} {kernel}"
+    for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
+        assert_close(got, ringseq.shard(p, 2, sp=sp), ringseq.shard(r, 2, sp=sp), f"{name} [{case}]")
+
+
+def attention_matrix(layout, kernel=None):
+    """Every dtype x causal x head mode, head dims and batch sizes cycled, on one layout."""
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout=layout)
+    heads = [(8, 8), (8, 2), (8, 1)]
+    dims = itertools.cycle([32, 64, 128])
+    batches = itertools.cycle([1, 2])
+    for dtype, causal, (H, K) in itertools.product(DTYPES.values(), (True, False), heads):
+        check_attention(sp, B=next(batches), H=H, K=K, S=16 * world, D=next(dims), dtype=dtype,
+                        causal=causal, kernel=kernel, seed=H + K)
+
+
+def head_dims(layout):
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout=layout)
+    for D in (32, 64, 128):
+        check_attention(sp, B=2, H=8, K=2, S=24 * world, D=D, dtype=torch.float32, causal=True, seed=D)
+
+
+def traffic(layout, dtype_name):
+    """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward."""
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout=layout)
+    dtype = DTYPES[dtype_name]
+    B, H, K, S, D = 2, 8, 2, 16 * world, 32
+    s = S // world
+    q, k, v, dout = make_qkv(B, H, K, S, D)
+    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    sent, real = [], dist.batch_isend_irecv
+
+    def counting(ops):
+        sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        out = ringseq.ring_attention(*local, sp=sp)
+        forward_steps = list(sent)
+        out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
+    finally:
+        dist.batch_isend_irecv = real
+    block = B * K * s * D
+    kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size()
+    assert forward_steps == [kv_bytes] * (world - 1), (forward_steps, kv_bytes)
+    backward_steps = sorted(sent[len(forward_steps):])
+    expected = sorted([kv_bytes] * (world - 1) + ([2 * block * 4] * world if world > 1 else []))
+    assert backward_steps == expected, (backward_steps, expected)
+
+
+def shard_gather_roundtrip(layout):
+    """gather(shard(x)) == x; gather's backward gives each rank its slice, and the slices
+    summed over the group equal the single-process gradient."""
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout=layout)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(3, 8 * world, 5, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(3, 8 * world, 5, generator=g, dtype=torch.float64)
+    full = ringseq.gather(ringseq.shard(x, 1, sp=sp), 1, sp=sp)
+    assert torch.equal(full, x)
+    (full * w).sum().backward()
+    summed = x.grad.clone()
+    dist.all_reduce(summed, group=sp.group)
+    assert torch.equal(summed, w)
+    assert torch.equal(ringseq.shard(x.grad, 1, sp=sp), ringseq.shard(w, 1, sp=sp))
+
+
+def topology(sp_size):
+    world, me = dist.get_world_size(), dist.get_rank()
+    sp = ringseq.init(sp_size=sp_size)
+    assert (sp.size, sp.dp_size) == (sp_size, world // sp_size)
+    assert sp.ranks == tuple(range(me - me % sp_size, me - me % sp_size + sp_size))  # adjacent
+    assert sp.rank == me % sp_size and dist.get_rank(sp.group) == sp.rank
+    assert dist.get_process_group_ranks(sp.dp_group) == list(range(me % sp_size, world, sp_size))
+    assert sp.dp_rank == me // sp_size
+    mpu = sp.mpu
+    assert mpu.get_sequence_parallel_world_size() == sp_size
+    assert mpu.get_data_parallel_world_size() == world // sp_size
+    assert mpu.get_sequence_data_parallel_world_size() == world
+    assert mpu.get_model_parallel_world_size() == 1
+    # One all-reduce over the gradient group sums over sequence ranks and data ranks alike.
+    t = torch.ones(1)
+    dist.all_reduce(t, group=sp.grad_group)
+    assert t.item() == world
+
+
+def refuses(sp_size, ulysses_size, match):
+    import pytest
+
+    with pytest.raises(ringseq.RingSeqError, match=match):
+        ringseq.init(sp_size=sp_size, ulysses_size=ulysses_size)
+
+
+def refuses_bad_shapes():
+    import pytest
+
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout="zigzag")
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 2, 4, 16)
+    bad = {
+        "4-D": (torch.randn(8, 4, 16), k, k),
+        "multiple of kv heads": (q, torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16)),
+        "same shape": (q, k, torch.randn(1, 2, 4, 8)),
+        "agree": (q, torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)),
+        "share a dtype": (q, k.double(), k.double()),
+        "cannot come from layout": (q[:, :, :3], k[:, :, :3], k[:, :, :3]),
+    }
+    for match, (a, b, c) in bad.items():
+        with pytest.raises(ringseq.RingSeqError, match=match):
+            ringseq.ring_attention(a, b, c, sp=sp)

@@ -1,0 +1,193 @@
+"""Bodies of the mask/feature tests (documents, padding, windows, softcap, sinks, Ulysses).
+
+The reference is written from the definitions alone (dense float64 math on the full
+sequence), not from ringseq's mask code."""
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.testing import assert_close
+
+from .cases import DTYPES, make_qkv
+
+
+def packed_positions(B, S, seed):
+    """[B, S] position ids of randomly packed documents (lengths 1..S/2)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        pos = []
+        while len(pos) < S:
+            n = int(torch.randint(1, max(2, S // 2), (1,), generator=g))
+            pos.extend(range(n))
+        rows.append(pos[:S])
+    return torch.tensor(rows)
+
+
+def padding_mask(B, S, seed):
+    """[B, S] 1/0: sample 0 left-padded, sample 1 right-padded, others random-length left pads."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.ones(B, S, dtype=torch.long)
+    for b in range(B):
+        n = int(torch.randint(1, S // 2, (1,), generator=g))
+        if b % 2:
+            mask[b, S - n:] = 0
+        else:
+            mask[b, :n] = 0
+    return mask
+
+
+def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, position_ids=None,
+              attention_mask=None, scale=None, sdpa=False):
+    """Dense attention from the definitions, in the inputs' dtype; returns (out, dq, dk, dv, dsinks).
+
+    ``sdpa=True`` hands the dense mask to ``scaled_dot_product_attention`` instead of doing the
+    softmax by hand: the plain same-dtype computation an unpatched model runs for masks alone
+    (transformers' sdpa path). Softcap and sinks always take the hand-written path (eager)."""
+    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    sinks = None if sinks is None else sinks.detach().clone().requires_grad_(True)
+    B, H, S, D = q.shape
+    G = H // k.size(1)
+    scale = D ** -0.5 if scale is None else scale
+    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
+    vis = torch.ones(B, S, S, dtype=torch.bool)
+    if causal:
+        vis &= j <= i
+    if window is not None:
+        vis &= (i - j) < window
+    if position_ids is not None:
+        starts = torch.ones(B, S, dtype=torch.bool)
+        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        doc = torch.cumsum(starts.long(), 1)
+        vis &= doc[:, :, None] == doc[:, None, :]
+    if attention_mask is not None:
+        vis &= attention_mask.bool()[:, None, :]
+    if sdpa and softcap is None and sinks is None:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale,
+                                                               enable_gqa=G > 1)
+        out.backward(dout)
+        return out.detach(), q.grad, k.grad, v.grad, None
+    s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    s = s.masked_fill(~vis[:, None], float("-inf"))
+    if sinks is not None:
+        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(B, H, S, 1)], -1)
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    if sinks is not None:
+        p = p[..., :-1]
+    out = p @ v.repeat_interleave(G, 1)
+    out.backward(dout)
+    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
+
+
+def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
+                   sinks=False, **features):
+    S = S_per_rank * sp.size
+    q, k, v, dout = make_qkv(B, H, K, S, D, seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    sink = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
+    pos = packed_positions(B, S, seed) if packed else None
+    pad = padding_mask(B, S, seed) if padded else None
+    kw = dict(causal=True, **features)
+    ref = reference(q, k, v, dout, sinks=sink, position_ids=pos, attention_mask=pad, **kw)
+    plain = reference(*(t.to(dtype) for t in (q, k, v, dout)), sinks=None if sink is None else sink.to(dtype),
+                      position_ids=pos, attention_mask=pad, sdpa=True, **kw)
+    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    sink_in = None if sink is None else sink.to(dtype).requires_grad_(True)
+    out = ringseq.ring_attention(
+        *local, sp=sp, sinks=sink_in,
+        position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
+        attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), **kw)
+    out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
+    case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} H{H} K{K} "
+            f"packed={packed} padded={padded} sinks={sinks} {features}")
+    for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
+        assert_close(got, ringseq.shard(p, 2, sp=sp), ringseq.shard(r, 2, sp=sp), f"{name} [{case}]")
+    if sinks:
+        # each rank's sink gradient is its share: summed over the sequence group it is the whole
+        dsink = sink_in.grad.double()
+        dist.all_reduce(dsink, group=sp.group)
+        assert_close(dsink.to(dtype), plain[4], ref[4], f"dsinks [{case}]")
+
+
+FEATURES = [
+    dict(packed=True),
+    dict(padded=True),
+    dict(window=5),
+    dict(window=40),
+    dict(softcap=2.0),
+    dict(sinks=True),
+    dict(packed=True, window=7),
+    dict(window=9, softcap=3.0),
+    dict(sinks=True, K=2),
+    dict(sinks=True, K=1, window=11),
+    dict(packed=True, padded=True, sinks=True),
+]
+
+
+def feature_matrix(layout, dtype_name, ulysses_size=1):
+    sp = ringseq.init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
+    for n, features in enumerate(FEATURES):
+        check_features(sp, dtype=DTYPES[dtype_name], seed=n, **features)
+
+
+def ulysses_heads(layout):
+    """Ulysses and the hybrid on plain causal attention across head modes (K < U replicates)."""
+    world = dist.get_world_size()
+    for U in [u for u in (2, 4) if world % u == 0]:
+        sp = ringseq.init(sp_size=world, ulysses_size=U, layout=layout)
+        for K in (8, 2, 1):
+            for dtype in DTYPES.values():
+                check_features(sp, dtype=dtype, K=K, seed=K)
+
+
+def refuses_features():
+    import pytest
+
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world)
+    q = torch.randn(1, 8, 4, 16)
+    k = torch.randn(1, 2, 4, 16)
+    for kwargs, match in [(dict(window=4, causal=False), "causal"), (dict(window=0), "positive integer"),
+                          (dict(softcap=-1.0), "softcap"), (dict(sinks=torch.zeros(3)), "one logit per query head"),
+                          (dict(kernel="cpu_flash", softcap=2.0), "cannot apply a softcap")]:
+        with pytest.raises(ringseq.RingSeqError, match=match):
+            ringseq.ring_attention(q, k, k, sp=sp, **kwargs)
+    if world % 4 == 0:
+        sp4 = ringseq.init(sp_size=world, ulysses_size=4)
+        with pytest.raises(ringseq.RingSeqError, match="query heads cannot be split"):
+            ringseq.ring_attention(torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), sp=sp4)
+        with pytest.raises(ringseq.RingSeqError, match="kv heads cannot be split"):
+            ringseq.ring_attention(torch.randn(1, 12, 4, 16), torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), sp=sp4)
+
+
+def window_skips_ring_steps():
+    """A window shorter than a shard under the contiguous layout is a neighbour exchange:
+    one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home. Documents
+    that never cross a shard boundary need no transfer at all."""
+    world = dist.get_world_size()
+    sp = ringseq.init(sp_size=world, layout="contiguous")
+    B, H, K, s, D = 1, 4, 2, 16, 8
+    q, k, v, dout = make_qkv(B, H, K, s * world, D)
+    sent, real = [], dist.batch_isend_irecv
+
+    def counting(ops):
+        sent.append(len([op for op in ops if op.op is dist.isend]))
+        return real(ops)
+
+    dist.batch_isend_irecv = counting
+    try:
+        for kw, fwd_hops, bwd_hops in [(dict(window=s), 1, 3),
+                                       (dict(position_ids=torch.arange(s * world) % s), 0, 0)]:
+            sent.clear()
+            if "position_ids" in kw:
+                kw = dict(position_ids=ringseq.shard(kw["position_ids"][None], 1, sp=sp))
+            local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+            out = ringseq.ring_attention(*local, sp=sp, **kw)
+            n_fwd = len(sent)
+            out.backward(ringseq.shard(dout, 2, sp=sp))
+            if world > 1:
+                assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
+    finally:
+        dist.batch_isend_irecv = real

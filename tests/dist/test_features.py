@@ -1,0 +1,30 @@
+"""Documents, padding, windows, softcap, sinks and Ulysses against a float64 dense reference."""
+import pytest
+
+from ringseq import LAYOUTS
+
+from . import cases_features as cases
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_features_match_reference(pool, layout, dtype):
+    pool.run(cases.feature_matrix, layout, dtype)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_features_under_hybrid(pool4, layout):
+    pool4.run(cases.feature_matrix, layout, "fp32", ulysses_size=2)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_ulysses_and_hybrid_heads(pool, layout):
+    pool.run(cases.ulysses_heads, layout)
+
+
+def test_unsupported_features_are_refused(pool):
+    pool.run(cases.refuses_features)
+
+
+def test_window_and_local_documents_skip_ring_steps(pool):
+    pool.run(cases.window_skips_ring_steps)

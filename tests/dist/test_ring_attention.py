@@ -1,0 +1,27 @@
+"""Ring attention against a float64 single-process reference, at world sizes 1, 2 and 4."""
+import pytest
+
+from ringseq import LAYOUTS
+
+from . import cases
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_matches_reference(pool, layout):
+    pool.run(cases.attention_matrix, layout)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_head_dims(pool, layout):
+    pool.run(cases.head_dims, layout)
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_torch_kernel_matches_reference(pool, layout):
+    pool.run(cases.attention_matrix, layout, kernel="torch")
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bytes_per_ring_step(pool, layout, dtype):
+    pool.run(cases.traffic, layout, dtype)
