@@ -65,7 +65,7 @@ def _ringseq_step(compute_only: bool):
     from ringseq.comm import RingComm
 
     if compute_only:
-        RingComm.post = lambda self, tensors: _Echo(tensors)
+        RingComm.post = lambda self, tensors, shift=1: _Echo(tensors)
     sp = ringseq.init(sp_size=dist.get_world_size())
     return lambda q_, k_, v_: ringseq.ring_attention(q_, k_, v_, sp=sp, causal=True)
 
