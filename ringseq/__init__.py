@@ -3,7 +3,9 @@
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
 ``gather``, ``token_info``, ``RingSeqError``.
 """
+from . import loss
 from .attention import ring_attention, token_info
+from .batch import shard_batch
 from .errors import RingSeqError
 from .layouts import LAYOUTS
 from .sharding import gather, shard
@@ -11,5 +13,19 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "gather", "init", "ring_attention", "shard",
-           "token_info"]
+__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "gather", "init", "loss", "patch", "ring_attention",
+           "shard", "shard_batch", "token_info", "unpatch"]
+
+
+def patch(model, *, sp, chunked_loss: bool = True):
+    """Patch a transformers causal LM for sequence parallelism (see ``ringseq.patches``)."""
+    from .patches.patch import patch as _patch
+
+    return _patch(model, sp=sp, chunked_loss=chunked_loss)
+
+
+def unpatch(model):
+    """Undo ``patch``: the model is exactly as it was."""
+    from .patches.patch import unpatch as _unpatch
+
+    return _unpatch(model)

@@ -162,8 +162,9 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
         dk, dv = sched.comm.post([dk, dv], shift=-(sched.steps - 1)).wait()
     dsinks = None
     if sinks is not None:
-        delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [B,H,s]
-        p_sink = torch.exp(sinks.to(acc)[None, :, None] - lse)
+        # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])
+        delta = (dout.double() * out.double()).sum(-1)  # [B,H,s]
+        p_sink = torch.exp(sinks.double()[None, :, None] - lse.double())
         dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 

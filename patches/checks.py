@@ -1,0 +1,68 @@
+"""What ringseq can patch exactly, checked before anything is changed.
+
+Tested families (tiny random-init configs in tests/integration): Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3 text, Phi-3, gpt-oss. Other decoder-only families pass when every feature
+they use is one ringseq reproduces; anything else is listed in one ``RingSeqError``.
+"""
+from __future__ import annotations
+
+import transformers
+
+from ringseq.errors import RingSeqError
+
+TESTED_TRANSFORMERS = "5.23"
+TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss")
+LAYER_TYPES = {"full_attention", "sliding_attention"}
+# rope variants that size their frequencies from the largest position id the layer sees:
+# each rank sees only its shard, so ranks would disagree with each other and with one device
+LOCAL_ROPE = {"dynamic", "longrope"}
+
+
+def _rope_types(config) -> set[str]:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if isinstance(params, dict) and params and all(isinstance(v, dict) for v in params.values()):
+        return {p.get("rope_type", p.get("type", "default")) for p in params.values()}
+    return {params.get("rope_type", params.get("type", "default"))} if isinstance(params, dict) else set()
+
+
+def problems(model) -> list[str]:
+    """Everything about ``model`` that ringseq cannot compute exactly (empty: patchable)."""
+    config = model.config
+    found = []
+    if not transformers.__version__.startswith(TESTED_TRANSFORMERS):
+        found.append(f"transformers {transformers.__version__} is untested (ringseq is tested with "
+                     f"{TESTED_TRANSFORMERS}.x: pip install 'transformers=={TESTED_TRANSFORMERS}.*')")
+    if getattr(config, "is_encoder_decoder", False):
+        found.append("encoder-decoder models (only decoder-only causal LMs are supported)")
+    if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
+        found.append("multimodal models (patch the text model, e.g. Gemma3ForCausalLM)")
+    if model.get_output_embeddings() is None:
+        found.append(f"{type(model).__name__} has no language-model head (use a *ForCausalLM class)")
+    if not model._can_set_attn_implementation():
+        found.append(f"{type(model).__name__} does not route attention through transformers' AttentionInterface")
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    if layer_types - LAYER_TYPES:
+        found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (linear-attention, Mamba or other "
+                     f"non-softmax layers; supported: {sorted(LAYER_TYPES)})")
+    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+        found.append("bidirectional attention")
+    local = _rope_types(config) & LOCAL_ROPE
+    if local:
+        found.append(f"rope scaling {sorted(local)} (it reads the largest local position id, which differs "
+                     f"per rank; use a static rope scaling such as 'linear', 'yarn' or 'llama3')")
+    if getattr(config, "output_router_logits", False):
+        found.append("output_router_logits=True (the router auxiliary loss would be computed on local "
+                     "tokens only); set config.output_router_logits = False")
+    return found
+
+
+def check(model) -> None:
+    found = problems(model)
+    if found:
+        listing = "\n  - ".join(found)
+        raise RingSeqError(f"ringseq cannot patch {type(model).__name__} ({config_name(model)}) exactly:\n"
+                           f"  - {listing}")
+
+
+def config_name(model) -> str:
+    return getattr(model.config, "model_type", "unknown model type")

@@ -1,0 +1,135 @@
+"""``ringseq.patch`` / ``ringseq.unpatch``: one reversible change to a transformers causal LM.
+
+What is patched, and why: the model's attention implementation becomes "ringseq"
+(``set_attn_implementation``, through the registry), and the model instance gets its own
+``forward`` (an instance attribute; the class is untouched). That forward shards the full
+batch (labels shifted first), runs the model's own decoder on the local shard, and computes
+the loss as local sum / global count. ``unpatch`` deletes the instance attribute and restores
+the previous attention implementation, leaving the model exactly as it was.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ringseq.batch import shard_batch
+from ringseq.errors import RingSeqError
+from ringseq.loss import IGNORE, chunked_cross_entropy, cross_entropy
+from ringseq.masks import TokenInfo
+
+from . import checks
+from .documents import isolates_documents
+from .registry import NAME, register
+
+
+@dataclasses.dataclass(kw_only=True)
+class PatchHandle:
+    """Attached to a patched model as ``model._ringseq_patch``."""
+
+    sp: object
+    previous_attn_implementation: str
+    chunked_loss: bool
+    documents_apart: bool = True
+    """Whether the unpatched model keeps packed documents apart (``patches.documents``)."""
+
+
+def _final_softcap(config):
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def _logits(model, hidden):
+    logits = model.get_output_embeddings()(hidden)
+    cap = _final_softcap(model.config)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def _forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+             shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
+             **kwargs):
+    """Patched forward: the full batch in (on every rank of the sequence group), the global loss
+    and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
+    ``ringseq``) is taken as it is."""
+    handle = self._ringseq_patch
+    if past_key_values is not None or use_cache:
+        raise RingSeqError("a patched model trains on whole sequences: KV caches (use_cache, past_key_values) "
+                           "are not supported; ringseq.unpatch(model) before generating")
+    if kwargs.get("output_attentions"):
+        raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
+    count = num_items_in_batch
+    if ringseq is None:  # full batch: shard it here
+        full = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
+        local = shard_batch({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
+                            documents_apart=handle.documents_apart)
+        if count is None and ("labels" in full and labels is not None or shift_labels is not None):
+            targets = shift_labels if shift_labels is not None else labels[:, 1:]
+            count = (targets != IGNORE).sum()  # the whole batch is here: no communication needed
+        input_ids, inputs_embeds = local.get("input_ids"), local.get("inputs_embeds")
+        position_ids, shift_labels, ringseq = local["position_ids"], local.get("shift_labels"), local["ringseq"]
+    elif labels is not None:
+        raise RingSeqError("a batch from ringseq.shard_batch carries shift_labels; pass those, not labels")
+    elif not handle.documents_apart and ringseq.info.doc is not None:
+        ringseq = dataclasses.replace(ringseq, info=TokenInfo(valid=ringseq.info.valid))
+    decoder = self.get_decoder()
+    out = decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
+                  ringseq=ringseq, **kwargs)
+    hidden = out.last_hidden_state
+    loss = logits = None
+    if shift_labels is not None and handle.chunked_loss:
+        if count is None:
+            count = (shift_labels != IGNORE).sum()
+            if handle.sp.size > 1:
+                torch.distributed.all_reduce(count, group=handle.sp.group)
+        loss = chunked_cross_entropy(hidden, shift_labels, self.get_output_embeddings(), sp=handle.sp, count=count,
+                                     final_softcap=_final_softcap(self.config))
+    else:
+        logits = _logits(self, hidden)
+        if shift_labels is not None:
+            loss = cross_entropy(logits, shift_labels, sp=handle.sp, num_items_in_batch=count)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def patch(model, *, sp, chunked_loss: bool = True):
+    """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
+
+    Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
+    sequence group, shards the batch itself and returns the exact global loss. Logits: with
+    labels and ``chunked_loss`` (default) the loss is computed slab by slab from the final
+    hidden states and ``logits`` is None (full-vocabulary logits of the whole shard are never
+    held); otherwise ``logits`` is this rank's shard [B, s, V], in the layout's token order.
+    Patching twice only updates ``sp``. Raises ``RingSeqError`` listing every feature of the
+    model that ringseq cannot reproduce.
+    """
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is not None:
+        handle.sp, handle.chunked_loss = sp, chunked_loss
+        return model
+    checks.check(model)
+    register()
+    handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
+                         chunked_loss=chunked_loss)
+    model.set_attn_implementation(NAME)
+    try:
+        handle.documents_apart = isolates_documents(model)
+    except BaseException:
+        model.set_attn_implementation(handle.previous_attn_implementation)
+        raise
+    model._ringseq_patch = handle
+    model.forward = types.MethodType(_forward, model)
+    return model
+
+
+def unpatch(model):
+    """Restore a patched model exactly (no-op for a model that is not patched)."""
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is None:
+        return model
+    model.set_attn_implementation(handle.previous_attn_implementation)
+    del model.forward
+    del model._ringseq_patch
+    return model

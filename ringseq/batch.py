@@ -1,0 +1,85 @@
+"""Full batch -> this rank's shard, for the manual path (``shard_batch``) and the patched model.
+
+Labels are shifted on the full sequence *before* sharding, so a rank's last token predicts
+the next rank's first token; position ids are global (built as 0..S-1 when absent), so rotary
+embeddings see true positions; documents and padding are read from the full batch, so no
+communication is needed to know them.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .errors import RingSeqError
+from .loss import IGNORE
+from .masks import TokenInfo, documents
+from .sharding import shard
+
+SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RingCall:
+    """What a patched model hands its attention layers (as the ``ringseq`` keyword argument,
+    which transformers passes down to every attention function, also on recompute)."""
+
+    sp: object
+    info: TokenInfo
+
+
+def shift(labels: torch.Tensor) -> torch.Tensor:
+    """[B, S] labels -> [B, S] targets: token i predicts label i+1; the last predicts nothing."""
+    return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
+
+
+def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    documents_apart: bool = True) -> TokenInfo:
+    """Documents and padding of a full batch, by transformers' rules: packed documents are read
+    from position_ids only when there is no attention_mask (as transformers does), and only for
+    models that keep documents apart at all (``documents_apart``)."""
+    doc = valid = None
+    if attention_mask is None:
+        if documents_apart:
+            doc = documents(position_ids.long())
+            doc = doc if bool(doc.any()) else None
+    elif not bool(attention_mask.bool().all()):
+        valid = attention_mask.bool()
+    return TokenInfo(doc=doc, valid=valid)
+
+
+def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
+    """Full batch (every rank of the sequence group holds the same one) -> this rank's shard.
+
+    Takes ``input_ids`` or ``inputs_embeds`` and optionally ``attention_mask``,
+    ``position_ids`` and ``labels`` (or already shifted ``shift_labels``), all [B, S, ...].
+    Returns ``input_ids``/``inputs_embeds``, ``position_ids`` (global values) and
+    ``shift_labels`` as this rank's [B, s, ...] slices, plus ``ringseq``: the documents and
+    padding of the whole batch for the attention layers. Pass everything but
+    ``shift_labels`` to a patched model, and ``shift_labels`` to ``ringseq.loss.cross_entropy``.
+    ``documents_apart=False`` lets packed documents see each other (a patched model whose
+    unpatched version does that overrides it anyway).
+    """
+    unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
+    if unknown:
+        raise RingSeqError(f"shard_batch does not know how to shard {unknown}; it handles {list(SEQUENCE_KEYS)}")
+    tokens = batch.get("input_ids", batch.get("inputs_embeds"))
+    if tokens is None:
+        raise RingSeqError("the batch needs input_ids or inputs_embeds")
+    B, S = tokens.shape[:2]
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(S, device=tokens.device)
+    position_ids = position_ids.reshape(-1, S).expand(B, S)
+    mask = batch.get("attention_mask")
+    out = {"position_ids": shard(position_ids, 1, sp=sp),
+           "ringseq": RingCall(sp=sp, info=full_token_info(position_ids, mask, documents_apart))}
+    for key in ("input_ids", "inputs_embeds"):
+        if batch.get(key) is not None:
+            out[key] = shard(batch[key], 1, sp=sp)
+    targets = batch.get("shift_labels")
+    if targets is None and batch.get("labels") is not None:
+        targets = shift(batch["labels"])
+    if targets is not None:
+        out["shift_labels"] = shard(targets, 1, sp=sp)
+    return out

@@ -1,0 +1,74 @@
+"""Cross-entropy over a sequence split across ranks.
+
+The rule, stated once: every rank computes the token-loss SUM over its own tokens and divides
+by the GLOBAL number of valid tokens (all ranks of the sequence group together). The value a
+rank returns is the global loss (the other ranks' sums are added without gradient), and its
+backward gives that rank's share of each parameter gradient. Summing a parameter's gradient
+over the sequence group therefore gives the single-device gradient: gradients are summed over
+the sequence group, never re-averaged. Data-parallel ranks average as usual.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE = -100
+CHUNK = 4096  # tokens per slab of the chunked loss: bounds logits to CHUNK x vocab
+
+
+def _global_loss(local_sum: torch.Tensor, count, sp) -> torch.Tensor:
+    """local_sum / count with the value of sum-over-ranks / count and the gradient of the local part."""
+    total = local_sum.detach().clone()
+    if sp.size > 1:
+        dist.all_reduce(total, group=sp.group)
+    count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
+    return (local_sum + (total - local_sum.detach())) / count.clamp(min=1)
+
+
+def _count(shift_labels: torch.Tensor, sp) -> torch.Tensor:
+    n = (shift_labels != IGNORE).sum()
+    if sp.size > 1:
+        dist.all_reduce(n, group=sp.group)
+    return n
+
+
+def cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, *, sp, num_items_in_batch=None) -> torch.Tensor:
+    """Global mean token loss from this rank's logits [B, s, V] and shifted labels [B, s].
+
+    ``shift_labels`` must be shifted on the full sequence *before* sharding (``shard_batch``
+    does that): a rank's last token predicts the next rank's first token. -100 is ignored.
+    ``num_items_in_batch`` (as the HF Trainer passes it) replaces the counted tokens.
+    """
+    local = F.cross_entropy(_upcast(logits).flatten(0, -2), shift_labels.flatten().to(logits.device),
+                            ignore_index=IGNORE, reduction="sum")
+    count = num_items_in_batch if num_items_in_batch is not None else _count(shift_labels, sp)
+    return _global_loss(local, count, sp)
+
+
+def _upcast(logits: torch.Tensor) -> torch.Tensor:
+    """Logits in at least fp32, as transformers' loss does (fp64 stays fp64)."""
+    return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+
+def _slab_loss(hidden, labels, head, softcap):
+    logits = _upcast(head(hidden))
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,
+                          final_softcap: float | None = None, chunk: int = CHUNK) -> torch.Tensor:
+    """``cross_entropy`` of ``head(hidden)`` without ever holding the logits of more than
+    ``chunk`` tokens: each slab's logits are recomputed in backward (activation checkpointing),
+    as DeepSpeed ALST's tiled loss does. Exact: the slab sums add up to the same sum."""
+    flat_h, flat_y = hidden.flatten(0, -2), shift_labels.flatten().to(hidden.device)
+    local = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    # Every slab joins the graph, even one whose labels are all ignored: each rank's backward
+    # must reach every attention layer, whose ring backward is a collective.
+    for a in range(0, flat_h.size(0), chunk):
+        local = local + checkpoint(_slab_loss, flat_h[a:a + chunk], flat_y[a:a + chunk], head, final_softcap,
+                                   use_reentrant=False)
+    return _global_loss(local, count, sp)
