@@ -1,0 +1,94 @@
+"""Per-rank activation memory of a patched tiny Llama as the sequence grows: does it fall as 1/P?
+
+For each length N and ring size P (P=1 is the unpatched model in one process), a fresh process
+tree runs one forward+backward of the same random-init model on the same batch and reports
+each rank's peak resident memory above its baseline after the model was built (so the
+weights, identical everywhere, are not counted). Prints one JSON line per (N, P) with
+``peak_mb`` (largest rank), ``ratio_to_P1`` and ``loss``, and draws
+``benchmarks/results/model_memory.png``. Usage::
+
+    python benchmarks/model_memory.py
+    python benchmarks/model_memory.py --lengths 4096 8192 --sizes 1 2
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+
+
+def tiny_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=1 << 17,
+                         use_cache=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def measure(N: int) -> dict:
+    import ringseq
+
+    P = dist.get_world_size()
+    model = tiny_llama()
+    if P > 1:
+        ringseq.patch(model, sp=ringseq.init(sp_size=P))
+    ids = torch.randint(0, 2048, (1, N), generator=torch.Generator().manual_seed(1))
+    base = common.rss_mb()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    peak = common.slowest(common.peak_rss_mb() - base)
+    return dict(N=N, P=P, peak_mb=round(peak, 1), loss=round(loss.item(), 6))
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4.5))
+    for P in sorted({r["P"] for r in records}):
+        rs = sorted((r for r in records if r["P"] == P), key=lambda r: r["N"])
+        ax.plot([r["N"] for r in rs], [r["peak_mb"] for r in rs], marker="o", label=f"P={P}")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="peak activation MB per rank",
+           title="tiny Llama (4 layers, d=256), forward+backward")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    args = parser.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    jsonl = os.path.join(args.out, "model_memory.jsonl")
+    if os.path.exists(jsonl):
+        os.remove(jsonl)
+    records = []
+    for N in args.lengths:
+        single = None
+        for P in args.sizes:
+            rec = common.run_tree(measure, P, 1, N)
+            single = rec["peak_mb"] if P == 1 else single
+            rec["ratio_to_P1"] = round(rec["peak_mb"] / single, 3) if single else None
+            records.append(rec)
+            common.emit(rec, jsonl)
+    plot(records, os.path.join(args.out, "model_memory.png"))
+    print(f"wrote {jsonl} and model_memory.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
