@@ -101,14 +101,16 @@ def tokens(positions: torch.Tensor, B: int, heads: int, D: int, seed: int) -> to
     return out
 
 
-def exact_rows(q_rows, q_pos, k, v, scale: float) -> torch.Tensor:
-    """float64 causal attention of a few query rows (at global positions ``q_pos``) over full
-    k/v; the independent reference for ``max_err``."""
+def exact_rows(q_rows, q_pos, k, v, scale: float, window: int | None = None) -> torch.Tensor:
+    """float64 causal (optionally sliding-window) attention of a few query rows (at global
+    positions ``q_pos``) over full k/v; the independent reference for ``max_err``."""
     H, K = q_rows.size(1), k.size(1)
     kk = k.double().repeat_interleave(H // K, 1)
     vv = v.double().repeat_interleave(H // K, 1)
     s = q_rows.double() @ kk.transpose(-1, -2) * scale
-    s = s.masked_fill(torch.arange(k.size(2))[None, :] > q_pos[:, None], float("-inf"))
+    j, i = torch.arange(k.size(2))[None, :], q_pos[:, None]
+    hidden = j > i if window is None else (j > i) | (i - j >= window)
+    s = s.masked_fill(hidden, float("-inf"))
     return torch.softmax(s, -1) @ vv
 
 

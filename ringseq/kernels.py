@@ -56,27 +56,40 @@ class CpuFlash:
         if mask is None:
             out, lse = op(q, k, v, 0.0, causal, scale=scale)
             return out, lse, None
-        outs, lses = [], []
-        for rows in _slabs(q.size(2), _MASK_ROWS):
-            visible = mask.rows(rows.start, rows.stop)
-            out, lse = op(q[:, :, rows], k, v, 0.0, False, attn_mask=_additive(visible, q.dtype), scale=scale)
+        B, H, sq, D = q.shape
+        out = q.new_zeros(B, H, sq, D)
+        lse = torch.full((B, H, sq), float("-inf"), dtype=_acc_dtype(q))
+        for rows in _slabs(sq, _MASK_ROWS):
+            lo, hi = mask.key_range(rows.start, rows.stop)
+            if hi == lo:
+                continue  # these rows see none of this call's keys
+            visible = mask.rows(rows.start, rows.stop, lo, hi)
+            o, l = op(q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], 0.0, False,
+                      attn_mask=_additive(visible, q.dtype), scale=scale)
+            out[:, :, rows] = o
             # the kernel reports lse 0 for a row that sees nothing; the merge needs -inf
-            lses.append(lse.masked_fill(~visible.any(-1).unsqueeze(1), float("-inf")))
-            outs.append(out)
-        return torch.cat(outs, 2), torch.cat(lses, 2), None
+            lse[:, :, rows] = l.masked_fill(~visible.any(-1).unsqueeze(1), float("-inf"))
+        return out, lse, None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, causal, scale, mask=None, softcap=None):
         op = aten._scaled_dot_product_flash_attention_for_cpu_backward
         if mask is None:
             return op(dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=scale)
-        dq, dk, dv = torch.empty_like(q), 0, 0
+        acc = _acc_dtype(q)
+        dq = torch.zeros_like(q)
+        dk = torch.zeros(k.shape, dtype=acc)
+        dv = torch.zeros(v.shape, dtype=acc)
         for rows in _slabs(q.size(2), _MASK_ROWS):
-            am = _additive(mask.rows(rows.start, rows.stop), q.dtype)
-            gq, gk, gv = op(dout[:, :, rows], q[:, :, rows], k, v, out[:, :, rows], lse[:, :, rows].contiguous(),
-                            0.0, False, attn_mask=am, scale=scale)
+            lo, hi = mask.key_range(rows.start, rows.stop)
+            if hi == lo:
+                continue
+            am = _additive(mask.rows(rows.start, rows.stop, lo, hi), q.dtype)
+            gq, gk, gv = op(dout[:, :, rows], q[:, :, rows], k[:, :, lo:hi], v[:, :, lo:hi], out[:, :, rows],
+                            lse[:, :, rows].contiguous(), 0.0, False, attn_mask=am, scale=scale)
             dq[:, :, rows] = gq
-            dk, dv = dk + gk.to(_acc_dtype(q)), dv + gv.to(_acc_dtype(q))
+            dk[:, :, lo:hi] += gk
+            dv[:, :, lo:hi] += gv
         return dq, dk, dv
 
 
@@ -106,22 +119,29 @@ def _grouped(q: torch.Tensor, K: int) -> torch.Tensor:
     return q.reshape(B, K, H // K, n, D)
 
 
-def _scores(q, k, rows: slice, causal: bool, scale: float, mask, softcap):
-    """q [B,K,G,rows,D] (acc dtype), k [B,K,sk,D] -> (scores [B,K,G,rows,sk] masked with -inf,
-    tanh of the capped scores or None)."""
+def _scores(q, k, rows: slice, causal: bool, scale: float, mask, softcap, cols=(0, None)):
+    """q [B,K,G,rows,D] (acc dtype), k [B,K,n,D] (the key columns ``cols`` of the call)
+    -> (scores [B,K,G,rows,n] masked with -inf, tanh of the capped scores or None)."""
     s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
     t = None
     if softcap is not None:
         t = torch.tanh(s / softcap)
         s = softcap * t
     if mask is not None:
-        visible = mask.rows(rows.start, rows.stop)[:, None, None]  # [B,1,1,rows,sk]
+        visible = mask.rows(rows.start, rows.stop, *cols)[:, None, None]  # [B,1,1,rows,n]
         s = s.masked_fill(~visible, float("-inf"))
     elif causal:
         i = torch.arange(rows.start, rows.stop, device=q.device)[:, None]
         j = torch.arange(k.size(-2), device=q.device)[None, :]
         s = s.masked_fill(j > i, float("-inf"))
     return s, t
+
+
+def _columns(rows: slice, sk: int, causal: bool, mask) -> tuple[int, int]:
+    """Key columns that query ``rows`` may see: bounded by the mask, or by the causal corner."""
+    if mask is not None:
+        return mask.key_range(rows.start, rows.stop)
+    return 0, min(sk, rows.stop) if causal else sk
 
 
 class TorchBlocks:
@@ -134,15 +154,18 @@ class TorchBlocks:
         acc = _acc_dtype(q)
         K, sq = k.size(1), q.size(2)
         qg, kf, vf = _grouped(q, K).to(acc), k.to(acc), v.to(acc)
-        outs, lses = [], []
+        out = torch.zeros_like(qg)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc)
         for rows in _slabs(sq, _ROWS):
-            s, _ = _scores(qg[..., rows, :], kf, rows, causal, scale, mask, softcap)
-            lse = torch.logsumexp(s, dim=-1)
-            p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num_(0.0)  # rows that see nothing
-            outs.append(torch.matmul(p, vf.unsqueeze(2)))
-            lses.append(lse)
-        out = torch.cat(outs, dim=-2).flatten(1, 2)
-        return out, torch.cat(lses, dim=-1).flatten(1, 2).float(), None
+            lo, hi = _columns(rows, kf.size(-2), causal, mask)
+            if hi == lo:
+                continue  # these rows see none of this call's keys
+            s, _ = _scores(qg[..., rows, :], kf[..., lo:hi, :], rows, causal, scale, mask, softcap, (lo, hi))
+            l = torch.logsumexp(s, dim=-1)
+            p = torch.exp(s - l.unsqueeze(-1)).nan_to_num_(0.0)  # rows that see nothing
+            out[..., rows, :] = torch.matmul(p, vf[..., lo:hi, :].unsqueeze(2))
+            lse[..., rows] = l
+        return out.flatten(1, 2), lse.flatten(1, 2).to(acc), None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, causal, scale, mask=None, softcap=None):
@@ -155,15 +178,20 @@ class TorchBlocks:
         dk = torch.zeros_like(kf)
         dv = torch.zeros_like(vf)
         for rows in _slabs(sq, _ROWS):
-            s, t = _scores(qg[..., rows, :], kf, rows, causal, scale, mask, softcap)
+            lo, hi = _columns(rows, kf.size(-2), causal, mask)
+            if hi == lo:
+                dq[..., rows, :] = 0
+                continue
+            kb, vb = kf[..., lo:hi, :], vf[..., lo:hi, :]
+            s, t = _scores(qg[..., rows, :], kb, rows, causal, scale, mask, softcap, (lo, hi))
             p = torch.exp(s - lseg[..., rows, :]).nan_to_num_(0.0)
             do = dog[..., rows, :]
-            dv += torch.matmul(p.transpose(-1, -2), do).sum(2)
-            ds = p * (torch.matmul(do, vf.unsqueeze(2).transpose(-1, -2)) - delta[..., rows, :])
+            dv[..., lo:hi, :] += torch.matmul(p.transpose(-1, -2), do).sum(2)
+            ds = p * (torch.matmul(do, vb.unsqueeze(2).transpose(-1, -2)) - delta[..., rows, :])
             if t is not None:
                 ds = ds * (1 - t * t)  # through the cap: d(c tanh(x/c))/dx = 1 - tanh^2
-            dq[..., rows, :] = torch.matmul(ds, kf.unsqueeze(2)) * scale
-            dk += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
+            dq[..., rows, :] = torch.matmul(ds, kb.unsqueeze(2)) * scale
+            dk[..., lo:hi, :] += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * scale
         return dq.flatten(1, 2), dk, dv
 
 

@@ -17,6 +17,7 @@ transformers' rule) and ``valid[j]`` (padding keys never contribute).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -24,7 +25,7 @@ from .layouts import global_positions
 from .plan import Call, block_plan, run_calls
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False)  # not slots: doc_start caches on the instance
 class TokenInfo:
     """Per-token facts of the whole sequence, identical on every rank of a sequence group."""
 
@@ -37,6 +38,15 @@ class TokenInfo:
     @property
     def trivial(self) -> bool:
         return self.doc is None and self.valid is None
+
+    @functools.cached_property
+    def doc_start(self) -> torch.Tensor:
+        """[B, S] global index of the first token of each token's document."""
+        S = self.doc.size(1)
+        starts = torch.ones_like(self.doc, dtype=torch.bool)
+        starts[:, 1:] = self.doc[:, 1:] != self.doc[:, :-1]
+        index = torch.arange(S).expand_as(self.doc)
+        return torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
 
 
 def documents(position_ids: torch.Tensor) -> torch.Tensor:
@@ -56,23 +66,42 @@ class MaskedCall:
 
 
 class RowMask:
-    """Builds the visibility of a call's query rows against its keys, a slab at a time."""
+    """Builds the visibility of a call's query rows against its keys, a slab at a time.
+
+    ``qpos``/``kpos`` are the global indices of the call's rows and columns, each increasing
+    (calls with masks always span one run per side). ``key_range`` bounds the columns a slab of
+    rows can see at all, so kernels skip the rest: a window or short documents then cost
+    O(rows x (rows + window)), not O(rows x sk).
+    """
 
     def __init__(self, qpos, kpos, info: TokenInfo, window: int | None, causal: bool, B: int):
         self.qpos, self.kpos, self.info, self.window, self.causal, self.B = qpos, kpos, info, window, causal, B
 
-    def rows(self, a: int, b: int) -> torch.Tensor:
-        """bool [B, b-a, sk]: True where query row a..b of the call sees the key."""
-        qi = self.qpos[a:b, None]
-        vis = self.kpos[None, :] <= qi if self.causal else torch.ones(len(qi), len(self.kpos), dtype=torch.bool)
+    def key_range(self, a: int, b: int) -> tuple[int, int]:
+        """The smallest column range [lo, hi) that query rows a..b may see."""
+        first, last = self.qpos[a].item(), self.qpos[b - 1].item()
+        lo_pos, hi_pos = None, last if self.causal else None
         if self.window is not None:
-            vis = vis & (qi - self.kpos[None, :] < self.window)
+            lo_pos = first - self.window + 1
+        if self.info.doc is not None:
+            doc_lo = int(self.info.doc_start[:, first].min())
+            lo_pos = doc_lo if lo_pos is None else max(lo_pos, doc_lo)
+        lo = 0 if lo_pos is None else int(torch.searchsorted(self.kpos, lo_pos))
+        hi = len(self.kpos) if hi_pos is None else int(torch.searchsorted(self.kpos, hi_pos, right=True))
+        return lo, max(lo, hi)
+
+    def rows(self, a: int, b: int, lo: int = 0, hi: int | None = None) -> torch.Tensor:
+        """bool [B, b-a, hi-lo]: True where query row a..b of the call sees key column lo..hi."""
+        qi, kp = self.qpos[a:b, None], self.kpos[lo:hi]
+        vis = kp[None, :] <= qi if self.causal else torch.ones(len(qi), len(kp), dtype=torch.bool)
+        if self.window is not None:
+            vis = vis & (qi - kp[None, :] < self.window)
         vis = vis.unsqueeze(0).expand(self.B, -1, -1)
         if self.info.doc is not None:
             doc = self.info.doc
-            vis = vis & (doc[:, self.qpos[a:b], None] == doc[:, None, self.kpos])
+            vis = vis & (doc[:, self.qpos[a:b], None] == doc[:, None, kp])
         if self.info.valid is not None:
-            vis = vis & self.info.valid[:, None, self.kpos]
+            vis = vis & self.info.valid[:, None, kp]
         return vis
 
 
