@@ -1,9 +1,10 @@
 """ringseq: exact ring attention for fine-tuning Hugging Face models on long sequences.
 
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
-``gather``, ``token_info``, ``RingSeqError``.
+``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
+``config``, ``RingSeqError``.
 """
-from . import loss
+from . import config, loss
 from .attention import ring_attention, token_info
 from .batch import shard_batch
 from .errors import RingSeqError
@@ -13,8 +14,8 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "gather", "init", "loss", "patch", "ring_attention",
-           "shard", "shard_batch", "token_info", "unpatch"]
+__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "config", "gather", "init", "initialize", "loss", "patch",
+           "ring_attention", "shard", "shard_batch", "token_info", "unpatch"]
 
 
 def patch(model, *, sp, chunked_loss: bool = True):
@@ -22,6 +23,14 @@ def patch(model, *, sp, chunked_loss: bool = True):
     from .patches.patch import patch as _patch
 
     return _patch(model, sp=sp, chunked_loss=chunked_loss)
+
+
+def initialize(*, sp=None, model=None, config=None, model_parameters=None, optimizer=None, **kwargs):
+    """``deepspeed.initialize`` with sequence parallelism (see ``ringseq.launch.deepspeed_glue``)."""
+    from .launch.deepspeed_glue import initialize as _initialize
+
+    return _initialize(sp=sp, model=model, config=config, model_parameters=model_parameters, optimizer=optimizer,
+                       **kwargs)
 
 
 def unpatch(model):

@@ -155,7 +155,7 @@ class TorchBlocks:
         K, sq = k.size(1), q.size(2)
         qg, kf, vf = _grouped(q, K).to(acc), k.to(acc), v.to(acc)
         out = torch.zeros_like(qg)
-        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc)
+        lse = torch.full(qg.shape[:-1], float("-inf"), dtype=acc, device=q.device)
         for rows in _slabs(sq, _ROWS):
             lo, hi = _columns(rows, kf.size(-2), causal, mask)
             if hi == lo:

@@ -30,10 +30,16 @@ class TokenInfo:
     """Per-token facts of the whole sequence, identical on every rank of a sequence group."""
 
     doc: torch.Tensor | None = None
-    """[B, S] int64 document id by global index, non-decreasing; None: one document."""
+    """[B, S] int64 document id by global index, non-decreasing; None: one document (CPU)."""
     valid: torch.Tensor | None = None
-    """[B, S] bool, False for padding tokens; None: no padding."""
+    """[B, S] bool, False for padding tokens; None: no padding (CPU)."""
     _plans: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    def __post_init__(self):  # planning reads these integers one by one: keep them on the CPU
+        for name in ("doc", "valid"):
+            value = getattr(self, name)
+            if value is not None and value.device.type != "cpu":
+                object.__setattr__(self, name, value.cpu())
 
     @property
     def trivial(self) -> bool:
@@ -74,8 +80,9 @@ class RowMask:
     O(rows x (rows + window)), not O(rows x sk).
     """
 
-    def __init__(self, qpos, kpos, info: TokenInfo, window: int | None, causal: bool, B: int):
+    def __init__(self, qpos, kpos, info: TokenInfo, window: int | None, causal: bool, B: int, device=None):
         self.qpos, self.kpos, self.info, self.window, self.causal, self.B = qpos, kpos, info, window, causal, B
+        self.device = device  # where the kernels want the mask; the integers stay on the CPU
 
     def key_range(self, a: int, b: int) -> tuple[int, int]:
         """The smallest column range [lo, hi) that query rows a..b may see."""
@@ -102,7 +109,7 @@ class RowMask:
             vis = vis & (doc[:, self.qpos[a:b], None] == doc[:, None, kp])
         if self.info.valid is not None:
             vis = vis & self.info.valid[:, None, kp]
-        return vis
+        return vis if self.device is None else vis.to(self.device, non_blocking=True)
 
 
 def _status(qpos, kpos, info: TokenInfo, window: int | None) -> str | None:

@@ -55,7 +55,7 @@ class _Schedule:
 
     def __init__(self, q, opts: RingOptions):
         B, _, s, _ = q.shape
-        self.opts, self.B, self.S = opts, B, s * opts.P
+        self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
         plans, self.steps = ring_schedule(opts.layout, self.S, opts.P, opts.causal, opts.info, opts.window)
         self.plan = plans[opts.r]
         capped = opts.softcap is not None
@@ -71,7 +71,7 @@ class _Schedule:
             if mc.masked:
                 qpos = global_positions(o.layout, self.S, o.P, o.r)[mc.call.q_rows]
                 kpos = global_positions(o.layout, self.S, o.P, j)[mc.call.k_rows]
-                mask = RowMask(qpos, kpos, o.info, o.window, o.causal, self.B)
+                mask = RowMask(qpos, kpos, o.info, o.window, o.causal, self.B, self.device)
             yield mc.call, self.kernels[mc.masked], mask
 
 

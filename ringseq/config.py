@@ -1,0 +1,86 @@
+"""ringseq's configuration: one frozen dataclass, read from code, the environment or a ds_config.
+
+Environment variables are read here and nowhere else (``from_env``): ``RINGSEQ_SP_SIZE``,
+``RINGSEQ_ULYSSES_SIZE``, ``RINGSEQ_LAYOUT``. ``ringseq launch`` sets them for the processes
+it starts. A DeepSpeed config may carry the same settings in a ``"ringseq"`` section
+(``from_ds_config``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from .errors import RingSeqError
+from .layouts import LAYOUTS
+
+ENV = {"sp_size": "RINGSEQ_SP_SIZE", "ulysses_size": "RINGSEQ_ULYSSES_SIZE", "layout": "RINGSEQ_LAYOUT"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RingSeqConfig:
+    sp_size: int | None = None
+    """Ranks that hold one sequence (ring x Ulysses); must divide the world size. None: the
+    whole world (no data parallelism)."""
+    ulysses_size: int = 1
+    """Ranks inside each sequence group that split heads by all-to-all; must divide sp_size."""
+    layout: str = "zigzag"
+    """Token layout over the ring: zigzag (balanced causal work), striped or contiguous."""
+
+    def __post_init__(self):
+        for name in ("sp_size", "ulysses_size"):
+            value = getattr(self, name)
+            if value is None and name == "sp_size":
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise RingSeqError(f"ringseq {name} must be a positive integer, got {value!r}")
+        if self.sp_size is not None and self.sp_size % self.ulysses_size:
+            raise RingSeqError(f"ringseq ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
+        if self.layout not in LAYOUTS:
+            raise RingSeqError(f"ringseq layout {self.layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
+
+    def init(self, **kwargs):
+        """``ringseq.init`` with these settings (sp_size None: the whole world)."""
+        import torch.distributed as dist
+
+        from .topology import _ensure_process_group, init
+
+        _ensure_process_group(kwargs.get("backend"))
+        sp_size = dist.get_world_size() if self.sp_size is None else self.sp_size
+        return init(sp_size=sp_size, ulysses_size=self.ulysses_size, layout=self.layout, **kwargs)
+
+
+def from_env(environ=None) -> RingSeqConfig:
+    """Settings from ``RINGSEQ_*`` variables; unset ones keep their defaults."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for field, var in ENV.items():
+        if var in environ:
+            raw = environ[var]
+            if field == "layout":
+                values[field] = raw
+            else:
+                try:
+                    values[field] = int(raw)
+                except ValueError:
+                    raise RingSeqError(f"{var}={raw!r} is not an integer") from None
+    return RingSeqConfig(**values)
+
+
+def from_ds_config(ds_config: dict) -> tuple[RingSeqConfig | None, dict]:
+    """Split a DeepSpeed config into (ringseq settings or None, the config without them).
+
+    DeepSpeed 0.19 keeps unknown top-level keys without complaint and ignores them, so a
+    misspelt ringseq key would silently do nothing: the section is removed before DeepSpeed
+    sees it, and unknown keys inside it are refused.
+    """
+    if "ringseq" not in ds_config:
+        return None, ds_config
+    rest = {k: v for k, v in ds_config.items() if k != "ringseq"}
+    section = ds_config["ringseq"]
+    if not isinstance(section, dict):
+        raise RingSeqError(f'the ds_config "ringseq" section must be an object, got {section!r}')
+    unknown = set(section) - {f.name for f in dataclasses.fields(RingSeqConfig)}
+    if unknown:
+        raise RingSeqError(f'unknown keys {sorted(unknown)} in the ds_config "ringseq" section; '
+                           f"allowed: {[f.name for f in dataclasses.fields(RingSeqConfig)]}")
+    return RingSeqConfig(**section), rest

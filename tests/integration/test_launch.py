@@ -1,0 +1,66 @@
+"""The ringseq command and DeepSpeed glue, through the real launchers in subprocesses."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def ringseq_cmd(*args, cwd=ROOT, timeout=600):
+    return subprocess.run([sys.executable, "-m", "ringseq.launch.cli", *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def test_demo_runs_and_the_curves_agree(tmp_path):
+    run = ringseq_cmd("demo", "--steps", "4", "--seq-len", "256", "--batch", "2", "--out", str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "ring loss = unpatched loss on the same weights, every step: yes" in run.stdout
+    assert (tmp_path / "loss_curves.png").stat().st_size > 0
+
+
+def test_launch_runs_the_torchrun_example():
+    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/torchrun_loop.py")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "step 4" in run.stdout
+
+
+def test_launch_refuses_sp_not_dividing_the_processes():
+    run = ringseq_cmd("launch", "--sp", "3", "--nproc", "2", "examples/torchrun_loop.py")
+    assert run.returncode == 2 and "--sp must divide --nproc" in run.stderr
+
+
+def test_env_reports_kernels():
+    run = ringseq_cmd("env")
+    assert run.returncode == 0 and "kernel cpu float32: cpu_flash" in run.stdout
+
+
+def deepspeed_step(nproc, *args, expect="parameters match"):
+    exe = Path(sys.executable).with_name("deepspeed")
+    from ringseq.testing import free_port
+
+    run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+                          "tests/integration/ds_step.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    assert out.count(expect) == nproc, out[-4000:]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_deepspeed_step_equals_single_process(stage):
+    deepspeed_step(2, "--stage", str(stage))
+
+
+def test_deepspeed_ds_config_section():
+    deepspeed_step(2, "--stage", "2", "--section")
+
+
+def test_deepspeed_with_data_parallel_replicas():
+    deepspeed_step(4, "--stage", "1", "--sp", "2")
+
+
+def test_deepspeed_zero3_is_refused():
+    deepspeed_step(2, "--stage", "3", "--expect-refusal", expect="refused as expected")
