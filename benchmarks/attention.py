@@ -189,12 +189,9 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--reps", type=int, default=None, help="repetitions (default: 3, 2 at 16k, 1 at 32k)")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    jsonl = os.path.join(args.out, "attention.jsonl")
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
+    jsonl = common.fresh_file(args.out, "attention.jsonl")
     records = []
     for N in args.lengths:
         reps = args.reps or default_reps(N)

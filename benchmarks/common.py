@@ -21,6 +21,16 @@ import torch.multiprocessing as mp
 from ringseq.testing import free_port
 
 BLOCK = 256  # inputs are generated in blocks of this many tokens, each from its own seed
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def fresh_file(out_dir: str, name: str) -> str:
+    """``out_dir/name``, with the folder made and an earlier file of that name removed."""
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, name)
+    if os.path.exists(path):
+        os.remove(path)
+    return path
 
 
 def _entry(rank, world, port, threads, fn, args, results):

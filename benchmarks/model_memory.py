@@ -71,12 +71,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    jsonl = os.path.join(args.out, "model_memory.jsonl")
-    if os.path.exists(jsonl):
-        os.remove(jsonl)
+    jsonl = common.fresh_file(args.out, "model_memory.jsonl")
     records = []
     for N in args.lengths:
         single = None

@@ -142,16 +142,13 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--window-n", type=int, default=16384, help="sequence length of the window sweep")
     parser.add_argument("--modes-n", type=int, default=8192, help="sequence length of the mode comparison")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     parts = args.parts or ["window", "modes"]
     if set(parts) - {"window", "modes"}:
         parser.error(f"unknown parts {sorted(set(parts) - {'window', 'modes'})}: choose window and/or modes")
-    os.makedirs(args.out, exist_ok=True)
     for part in parts:
-        jsonl = os.path.join(args.out, f"{part}.jsonl")
-        if os.path.exists(jsonl):
-            os.remove(jsonl)
+        common.fresh_file(args.out, f"{part}.jsonl")
         if part == "window":
             plot_window(window_sweep(args.out, args.reps, args.window_n), os.path.join(args.out, "window.png"))
         else:

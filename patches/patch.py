@@ -66,7 +66,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
                 "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
         local = shard_batch({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
                             documents_apart=handle.documents_apart)
-        if count is None and ("labels" in full and labels is not None or shift_labels is not None):
+        if count is None and (labels is not None or shift_labels is not None):
             targets = shift_labels if shift_labels is not None else labels[:, 1:]
             count = (targets != IGNORE).sum()  # the whole batch is here: no communication needed
         input_ids, inputs_embeds = local.get("input_ids"), local.get("inputs_embeds")

@@ -16,7 +16,7 @@ class SequenceParallelMPU:
         self._sp = (group, rank, size)
         self._dp = (dp_group, dp_rank, dp_size)
         self._grad_group = grad_group
-        self._alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        self._alone = None  # made on first use: most users never ask for it
 
     # sequence parallelism
     def get_sequence_parallel_group(self):
@@ -53,6 +53,8 @@ class SequenceParallelMPU:
 
     # no tensor or pipeline parallelism: groups of one
     def get_model_parallel_group(self):
+        if self._alone is None:
+            self._alone = dist.new_group([dist.get_rank()], use_local_synchronization=True)
         return self._alone
 
     def get_model_parallel_rank(self):

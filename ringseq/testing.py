@@ -101,10 +101,19 @@ class DistPool:
         self.close()
 
 
-def rank() -> int:
-    import torch.distributed as dist
+_SHARED = {}
 
-    return dist.get_rank()
+
+def shared_init(**kwargs):
+    """``ringseq.init(**kwargs)``, made once per worker process and configuration. Tests run
+    hundreds of cases on long-lived workers; every gloo group keeps threads polling its
+    sockets, so making fresh groups for each case would slow the whole machine down."""
+    from .topology import init
+
+    key = tuple(sorted(kwargs.items()))
+    if key not in _SHARED:
+        _SHARED[key] = init(**kwargs)
+    return _SHARED[key]
 
 
 def error(actual: torch.Tensor, ref64: torch.Tensor) -> float:

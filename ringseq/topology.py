@@ -98,14 +98,35 @@ def _check_sizes(world: int, sp_size: int, ulysses_size: int) -> None:
                            f"divide the world size; launch a multiple of {sp_size} processes")
 
 
-def _build_groups(lists: list[list[int]], me: int):
+def _group(ranks, made: dict):
+    """The group of these ranks: the world group for all of them, else one made once per
+    ``init`` (every gloo group keeps its own connections and threads, so none is made twice)."""
+    ranks = tuple(ranks)
+    if ranks == tuple(range(dist.get_world_size())):
+        return dist.group.WORLD
+    if ranks not in made:
+        if len(ranks) == 1:  # a group of one: only its member needs to take part
+            me = dist.get_rank()
+            made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True) if ranks == (me,) else None
+        else:
+            made[ranks] = dist.new_group(list(ranks))
+    return made[ranks]
+
+
+def _build_groups(lists: list[list[int]], me: int, made: dict):
     """Create one group per rank list (every rank calls for every list); return mine."""
     mine = None
     for ranks in lists:
-        group = dist.new_group(ranks)
+        group = _group(ranks, made)
         if me in ranks:
             mine = (group, tuple(ranks))
     return mine
+
+
+def _axis_lists(topo, axis: str, me: int) -> list[list[int]]:
+    """Rank lists along ``axis``; an axis of size 1 gives each rank a group of its own."""
+    lists = topo.get_axis_comm_lists(axis)
+    return lists if lists else [[r] for r in range(dist.get_world_size())]
 
 
 def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *,
@@ -128,15 +149,16 @@ def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *,
     dims = [world // sp_size, sp_size // ulysses_size, ulysses_size]
     topo = ProcessTopology(axes=list(AXES), dims=dims)
 
+    made: dict = {}
     seq_lists = [topo.filter_match(data=d) for d in range(dims[0])]
-    group, ranks = _build_groups(seq_lists, me)
-    dp_group, dp_ranks = _build_groups(topo.get_axis_comm_lists("data"), me)
-    ring_group, ring_ranks = _build_groups(topo.get_axis_comm_lists("ring"), me)
+    group, ranks = _build_groups(seq_lists, me, made)
+    dp_group, dp_ranks = _build_groups(_axis_lists(topo, "data", me), me, made)
+    ring_group, ring_ranks = _build_groups(_axis_lists(topo, "ring", me), me, made)
     if ulysses_size > 1:
-        ulysses_group, uly_ranks = _build_groups(topo.get_axis_comm_lists("ulysses"), me)
+        ulysses_group, uly_ranks = _build_groups(_axis_lists(topo, "ulysses", me), me, made)
     else:
         ulysses_group, uly_ranks = None, (me,)
-    grad_group = dist.new_group(list(range(world))) if world > 1 else group
+    grad_group = dist.group.WORLD
     coord = topo.get_coord(me)
     fields = dict(
         group=group, rank=ranks.index(me), size=sp_size, ranks=ranks,

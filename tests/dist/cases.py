@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_close, sdpa_reference
+from ringseq.testing import assert_close, sdpa_reference, shared_init
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -35,7 +35,7 @@ def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0):
 def attention_matrix(layout, kernel=None):
     """Every dtype x causal x head mode, head dims and batch sizes cycled, on one layout."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout=layout)
+    sp = shared_init(sp_size=world, layout=layout)
     heads = [(8, 8), (8, 2), (8, 1)]
     dims = itertools.cycle([32, 64, 128])
     batches = itertools.cycle([1, 2])
@@ -46,7 +46,7 @@ def attention_matrix(layout, kernel=None):
 
 def head_dims(layout):
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout=layout)
+    sp = shared_init(sp_size=world, layout=layout)
     for D in (32, 64, 128):
         check_attention(sp, B=2, H=8, K=2, S=24 * world, D=D, dtype=torch.float32, causal=True, seed=D)
 
@@ -54,7 +54,7 @@ def head_dims(layout):
 def traffic(layout, dtype_name):
     """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout=layout)
+    sp = shared_init(sp_size=world, layout=layout)
     dtype = DTYPES[dtype_name]
     B, H, K, S, D = 2, 8, 2, 16 * world, 32
     s = S // world
@@ -85,7 +85,7 @@ def shard_gather_roundtrip(layout):
     """gather(shard(x)) == x; gather's backward gives each rank its slice, and the slices
     summed over the group equal the single-process gradient."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout=layout)
+    sp = shared_init(sp_size=world, layout=layout)
     g = torch.Generator().manual_seed(1)
     x = torch.randn(3, 8 * world, 5, generator=g, dtype=torch.float64, requires_grad=True)
     w = torch.randn(3, 8 * world, 5, generator=g, dtype=torch.float64)
@@ -100,7 +100,7 @@ def shard_gather_roundtrip(layout):
 
 def topology(sp_size):
     world, me = dist.get_world_size(), dist.get_rank()
-    sp = ringseq.init(sp_size=sp_size)
+    sp = shared_init(sp_size=sp_size)
     assert (sp.size, sp.dp_size) == (sp_size, world // sp_size)
     assert sp.ranks == tuple(range(me - me % sp_size, me - me % sp_size + sp_size))  # adjacent
     assert sp.rank == me % sp_size and dist.get_rank(sp.group) == sp.rank
@@ -128,7 +128,7 @@ def refuses_bad_shapes():
     import pytest
 
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout="zigzag")
+    sp = shared_init(sp_size=world, layout="zigzag")
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 2, 4, 16)
     bad = {

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_close
+from ringseq.testing import assert_close, shared_init
 
 from .cases import DTYPES, make_qkv
 
@@ -127,7 +127,7 @@ FEATURES = [
 
 
 def feature_matrix(layout, dtype_name, ulysses_size=1):
-    sp = ringseq.init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
+    sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
     for n, features in enumerate(FEATURES):
         check_features(sp, dtype=DTYPES[dtype_name], seed=n, **features)
 
@@ -136,7 +136,7 @@ def ulysses_heads(layout):
     """Ulysses and the hybrid on plain causal attention across head modes (K < U replicates)."""
     world = dist.get_world_size()
     for U in [u for u in (2, 4) if world % u == 0]:
-        sp = ringseq.init(sp_size=world, ulysses_size=U, layout=layout)
+        sp = shared_init(sp_size=world, ulysses_size=U, layout=layout)
         for K in (8, 2, 1):
             for dtype in DTYPES.values():
                 check_features(sp, dtype=dtype, K=K, seed=K)
@@ -146,7 +146,7 @@ def refuses_features():
     import pytest
 
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world)
+    sp = shared_init(sp_size=world)
     q = torch.randn(1, 8, 4, 16)
     k = torch.randn(1, 2, 4, 16)
     for kwargs, match in [(dict(window=4, causal=False), "causal"), (dict(window=0), "positive integer"),
@@ -155,7 +155,7 @@ def refuses_features():
         with pytest.raises(ringseq.RingSeqError, match=match):
             ringseq.ring_attention(q, k, k, sp=sp, **kwargs)
     if world % 4 == 0:
-        sp4 = ringseq.init(sp_size=world, ulysses_size=4)
+        sp4 = shared_init(sp_size=world, ulysses_size=4)
         with pytest.raises(ringseq.RingSeqError, match="query heads cannot be split"):
             ringseq.ring_attention(torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), torch.randn(1, 6, 4, 16), sp=sp4)
         with pytest.raises(ringseq.RingSeqError, match="kv heads cannot be split"):
@@ -167,7 +167,7 @@ def window_skips_ring_steps():
     one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home. Documents
     that never cross a shard boundary need no transfer at all."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout="contiguous")
+    sp = shared_init(sp_size=world, layout="contiguous")
     B, H, K, s, D = 1, 4, 2, 16, 8
     q, k, v, dout = make_qkv(B, H, K, s * world, D)
     sent, real = [], dist.batch_isend_irecv

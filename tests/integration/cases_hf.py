@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import error
+from ringseq.testing import error, shared_init
 
 VOCAB = 96
 
@@ -118,7 +118,7 @@ def parity(family, layout, kind="plain", S_per_rank=16):
     loss to 1e-5.
     """
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world, layout=layout)
+    sp = shared_init(sp_size=world, layout=layout)
     # A pad query with no visible key (left padding, or a window over pads only) becomes nan in
     # transformers' eager path in float64 (its fp32 softmax of finfo(float64).min), so eager
     # families' float64 reference is taken on short right pads, where every query sees a key.
@@ -146,7 +146,7 @@ def parity(family, layout, kind="plain", S_per_rank=16):
 
 def unpatch_restores():
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world)
+    sp = shared_init(sp_size=world)
     model = tiny_model("llama")
     before = {k: v.clone() for k, v in model.state_dict().items()}
     impl = model.config._attn_implementation
@@ -169,7 +169,7 @@ def refuses_unsupported_models():
     import pytest
     import transformers as tf
 
-    sp = ringseq.init(sp_size=dist.get_world_size())
+    sp = shared_init(sp_size=dist.get_world_size())
     dyn = tiny_config("llama")
     dyn.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
     cases = [
@@ -196,7 +196,7 @@ def refuses_unsupported_models():
 def gradient_checkpointing(family):
     """Recompute replays the ring: loss and SP-summed gradients still match."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world)
+    sp = shared_init(sp_size=world)
     base = tiny_model(family)
     batch = make_batch(2, 16 * world, "plain")
     ref_loss, ref_grads = loss_and_grads(base, batch)
@@ -214,7 +214,7 @@ def gradient_checkpointing(family):
 def manual_path():
     """shard_batch + patched model on local inputs + loss.cross_entropy == unpatched loss."""
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world)
+    sp = shared_init(sp_size=world)
     base = tiny_model("llama")
     batch = make_batch(2, 16 * world, "packed")
     ref_loss, ref_grads = loss_and_grads(base, batch)
@@ -234,7 +234,7 @@ def manual_path():
 
 def chunked_loss_is_exact():
     world = dist.get_world_size()
-    sp = ringseq.init(sp_size=world)
+    sp = shared_init(sp_size=world)
     g = torch.Generator().manual_seed(3)
     head = torch.nn.Linear(8, 11, bias=False).double()
     hidden = torch.randn(2, 13, 8, generator=g, dtype=torch.float64, requires_grad=True)
