@@ -2,6 +2,8 @@
 
     torchrun --nproc_per_node 2 examples/torchrun_loop.py
     ringseq launch --sp 2 --nproc 2 examples/torchrun_loop.py     # the same, settings via RINGSEQ_*
+    ringseq launch --launcher deepspeed --sp 2 --nproc 2 examples/torchrun_loop.py
+    ringseq launch --launcher accelerate --sp 2 --nproc 2 examples/torchrun_loop.py
 
 Every rank of a sequence group loads the same full batch; ``shard_batch`` keeps this rank's
 slice (labels shifted first), the patched model runs on it, ``loss.cross_entropy`` returns the

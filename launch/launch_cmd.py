@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 from ringseq.config import ENV, RingSeqConfig
 from ringseq.errors import RingSeqError
@@ -42,7 +43,8 @@ def command(launcher: str, nproc: int, script: str, args: list[str], module: boo
         return [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
                 "--master_addr", "127.0.0.1", "--master_port", str(port), *target, *args]
     if launcher == "deepspeed":
-        exe = shutil.which("deepspeed") or "deepspeed"
+        beside = Path(sys.executable).with_name("deepspeed")  # the venv's, even when it is not on PATH
+        exe = str(beside) if beside.exists() else shutil.which("deepspeed") or "deepspeed"
         target = ["--module", script] if module else [script]
         return [exe, "--num_gpus", str(nproc), "--master_port", str(port), *target, *args]
     target = ["-m", script] if module else [script]

@@ -21,8 +21,9 @@ def test_demo_runs_and_the_curves_agree(tmp_path):
     assert (tmp_path / "loss_curves.png").stat().st_size > 0
 
 
-def test_launch_runs_the_torchrun_example():
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/torchrun_loop.py")
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])
+def test_launch_runs_the_example(launcher):
+    run = ringseq_cmd("launch", "--launcher", launcher, "--sp", "2", "--nproc", "2", "examples/torchrun_loop.py")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "step 4" in run.stdout
 
