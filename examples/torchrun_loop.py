@@ -29,7 +29,7 @@ def main(steps: int = 5, seq_len: int = 1024) -> None:
         g = torch.Generator().manual_seed(step * 1000 + sp.dp_rank)
         ids = torch.randint(0, 256, (2, seq_len), generator=g)
         local = ringseq.shard_batch({"input_ids": ids, "labels": ids}, sp=sp)
-        labels = local.pop("shift_labels")
+        labels = local.pop("labels")
         loss = ringseq.loss.cross_entropy(model(**local).logits, labels, sp=sp)
         optimizer.zero_grad()
         loss.backward()

@@ -53,7 +53,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
              **kwargs):
     """Patched forward: the full batch in (on every rank of the sequence group), the global loss
     and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
-    ``ringseq``) is taken as it is."""
+    ``ringseq``) is taken as it is; its ``labels`` are already shifted."""
     handle = self._ringseq_patch
     if past_key_values is not None or use_cache:
         raise RingSeqError("a patched model trains on whole sequences: KV caches (use_cache, past_key_values) "
@@ -70,11 +70,14 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
             targets = shift_labels if shift_labels is not None else labels[:, 1:]
             count = (targets != IGNORE).sum()  # the whole batch is here: no communication needed
         input_ids, inputs_embeds = local.get("input_ids"), local.get("inputs_embeds")
-        position_ids, shift_labels, ringseq = local["position_ids"], local.get("shift_labels"), local["ringseq"]
-    elif labels is not None:
-        raise RingSeqError("a batch from ringseq.shard_batch carries shift_labels; pass those, not labels")
-    elif not handle.documents_apart and ringseq.info.doc is not None:
-        ringseq = dataclasses.replace(ringseq, info=TokenInfo(valid=ringseq.info.valid))
+        position_ids, shift_labels, ringseq = local["position_ids"], local.get("labels"), local["ringseq"]
+    else:  # already sharded by shard_batch: its labels are shifted
+        if labels is not None and shift_labels is not None:
+            raise RingSeqError("a batch from ringseq.shard_batch carries shifted labels; pass labels or "
+                               "shift_labels, not both")
+        shift_labels = shift_labels if shift_labels is not None else labels
+        if not handle.documents_apart and ringseq.info.doc is not None:
+            ringseq = dataclasses.replace(ringseq, info=TokenInfo(valid=ringseq.info.valid))
     decoder = self.get_decoder()
     out = decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
                   ringseq=ringseq, **kwargs)

@@ -53,12 +53,14 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
 
     Takes ``input_ids`` or ``inputs_embeds`` and optionally ``attention_mask``,
     ``position_ids`` and ``labels`` (or already shifted ``shift_labels``), all [B, S, ...].
-    Returns ``input_ids``/``inputs_embeds``, ``position_ids`` (global values) and
-    ``shift_labels`` as this rank's [B, s, ...] slices, plus ``ringseq``: the documents and
-    padding of the whole batch for the attention layers. Pass everything but
-    ``shift_labels`` to a patched model, and ``shift_labels`` to ``ringseq.loss.cross_entropy``.
-    ``documents_apart=False`` lets packed documents see each other (a patched model whose
-    unpatched version does that overrides it anyway).
+    Returns this rank's [B, s, ...] slices of ``input_ids``/``inputs_embeds``,
+    ``attention_mask``, ``position_ids`` (global values, 0..S-1 when absent) and ``labels`` —
+    **already shifted** on the full sequence (entry i is the target of token i, -100 at the
+    very end) — plus ``ringseq``: the documents and padding of the whole batch for the
+    attention layers. ``model(**local)`` on a patched model returns this rank's logits (and,
+    with the labels, the global loss); ``ringseq.loss.cross_entropy(logits, local["labels"],
+    sp=sp)`` computes the same loss by hand. ``documents_apart=False`` lets packed documents
+    see each other (a patched model whose unpatched version does that overrides it anyway).
     """
     unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
     if unknown:
@@ -74,12 +76,12 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     mask = batch.get("attention_mask")
     out = {"position_ids": shard(position_ids, 1, sp=sp),
            "ringseq": RingCall(sp=sp, info=full_token_info(position_ids, mask, documents_apart))}
-    for key in ("input_ids", "inputs_embeds"):
+    for key in ("input_ids", "inputs_embeds", "attention_mask"):
         if batch.get(key) is not None:
             out[key] = shard(batch[key], 1, sp=sp)
     targets = batch.get("shift_labels")
     if targets is None and batch.get("labels") is not None:
         targets = shift(batch["labels"])
     if targets is not None:
-        out["shift_labels"] = shard(targets, 1, sp=sp)
+        out["labels"] = shard(targets, 1, sp=sp)
     return out

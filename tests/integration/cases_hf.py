@@ -220,7 +220,7 @@ def manual_path():
     ref_loss, ref_grads = loss_and_grads(base, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     local = ringseq.shard_batch(batch, sp=sp)
-    labels = local.pop("shift_labels")
+    labels = local.pop("labels")
     logits = model(**local).logits
     assert logits.shape == (2, 16, VOCAB)
     loss = ringseq.loss.cross_entropy(logits, labels, sp=sp)
@@ -230,6 +230,18 @@ def manual_path():
         g = p.grad.clone()
         dist.all_reduce(g, group=sp.group)
         assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), name
+    # the labels came back shifted on the full sequence, then sharded
+    shifted = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], 1)
+    assert torch.equal(labels, ringseq.shard(shifted, 1, sp=sp))
+    # the whole shard_batch output, labels included, straight into the patched model
+    for kind in ("packed", "padded"):
+        batch = make_batch(2, 16 * world, kind)
+        ref_loss, ref_grads = loss_and_grads(base, batch)
+        loss, grads = loss_and_grads(model, ringseq.shard_batch(batch, sp=sp))
+        assert abs(loss.item() - ref_loss.item()) <= 1e-5, kind
+        for name, g in grads.items():
+            dist.all_reduce(g, group=sp.group)
+            assert torch.allclose(g, ref_grads[name], rtol=1e-4, atol=1e-6), (kind, name)
 
 
 def chunked_loss_is_exact():
