@@ -27,9 +27,10 @@ def batch_for(replica: int, S: int) -> dict:
 
 def main():
     parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, required=True)
+    parser.add_argument("--stage", type=int, default=None)
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--section", action="store_true", help="configure through the ds_config section")
+    parser.add_argument("--config", help="a ds_config file with a ringseq section (replaces --stage's config)")
     parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
@@ -43,7 +44,9 @@ def main():
     # also checks that DeepSpeed measures the norm of the correctly reduced gradient
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True}
-    if args.section:
+    if args.config:
+        config, sp = args.config, None  # ringseq.initialize reads the file and its "ringseq" section
+    elif args.section:
         config["ringseq"] = {"sp_size": args.sp, "layout": "zigzag"}
         sp = None
     else:
@@ -75,9 +78,10 @@ def main():
             got = p.detach().clone()
         moved = (want[name].detach() - dict(tiny_llama().named_parameters())[name].detach()).abs().max()
         assert torch.allclose(got, want[name].detach(), rtol=1e-4, atol=1e-6), \
-            f"stage {args.stage} rank {dist.get_rank()}: {name} off by {(got - want[name]).abs().max():.2e} " \
+            f"stage {engine.zero_optimization_stage()} rank {dist.get_rank()}: {name} off by {(got - want[name]).abs().max():.2e} " \
             f"(a step moved it by {moved:.2e})"
-    print(f"rank {dist.get_rank()}: ZeRO-{args.stage} sp {args.sp} dp {dp}: parameters match", flush=True)
+    print(f"rank {dist.get_rank()}: ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp}: parameters match",
+          flush=True)
 
 
 if __name__ == "__main__":

@@ -59,6 +59,21 @@ def test_deepspeed_ds_config_section():
     deepspeed_step(2, "--stage", "2", "--section")
 
 
+@pytest.mark.parametrize("name", ["ds_zero1.json", "ds_zero2.json"])
+def test_shipped_ds_configs(name):
+    deepspeed_step(2, "--config", f"launch/configs/{name}")
+
+
+def test_shipped_accelerate_config():
+    from ringseq.testing import free_port
+
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                          "launch/configs/accelerate_cpu.yaml", "--main_process_port", str(free_port()),
+                          "examples/torchrun_loop.py"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
+    assert run.returncode == 0 and "step 4" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def test_deepspeed_with_data_parallel_replicas():
     deepspeed_step(4, "--stage", "1", "--sp", "2")
 

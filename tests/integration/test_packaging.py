@@ -41,6 +41,7 @@ def test_wheel_install(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ringseq", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert "ringseq/patches/__init__.py" in names and "ringseq/launch/cli.py" in names
+    assert "ringseq/launch/configs/ds_zero2.json" in names
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                               str(target), str(wheel)], capture_output=True, text=True)
