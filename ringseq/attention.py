@@ -46,6 +46,15 @@ def _check_features(q, causal, window, softcap, sinks) -> None:
                            f"got {tuple(sinks.shape)}")
 
 
+def _check_token_info(info: TokenInfo, B: int, S: int) -> None:
+    for name in ("doc", "valid"):
+        value = getattr(info, name)
+        if value is not None and (value.dim() != 2 or value.size(1) != S or value.size(0) not in (1, B)):
+            raise RingSeqError(f"token_info.{name} has shape {tuple(value.shape)} but the sequence group holds "
+                               f"batch {B} x {S} tokens; build it with ringseq.token_info from this batch's "
+                               f"position_ids/attention_mask shards")
+
+
 def token_info(sp, position_ids: torch.Tensor | None = None,
                attention_mask: torch.Tensor | None = None) -> TokenInfo:
     """Documents and padding of the whole sequence, from this rank's shards.
@@ -96,6 +105,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
         token_info = _token_info_or_none(sp, position_ids, attention_mask)
     elif position_ids is not None or attention_mask is not None:
         raise RingSeqError("pass either token_info or position_ids/attention_mask, not both")
+    _check_token_info(token_info, q.size(0), q.size(2) * sp.size)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
                        causal=bool(causal), scale=scale, kernel=kernel,

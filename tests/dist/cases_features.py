@@ -154,6 +154,10 @@ def refuses_features():
                           (dict(kernel="cpu_flash", softcap=2.0), "cannot apply a softcap")]:
         with pytest.raises(ringseq.RingSeqError, match=match):
             ringseq.ring_attention(q, k, k, sp=sp, **kwargs)
+    from ringseq.masks import TokenInfo
+
+    with pytest.raises(ringseq.RingSeqError, match="token_info.doc has shape"):  # batch 3, not 1
+        ringseq.ring_attention(q, k, k, sp=sp, token_info=TokenInfo(doc=torch.zeros(3, 4 * world, dtype=torch.long)))
     if world % 4 == 0:
         sp4 = shared_init(sp_size=world, ulysses_size=4)
         with pytest.raises(ringseq.RingSeqError, match="query heads cannot be split"):
