@@ -5,10 +5,16 @@ ZeRO stages 0, 1 and 2 reduce gradients over the sequence x data group and divid
 data-parallel size: exactly ringseq's rule (sum over the sequence group, mean over replicas),
 checked against a single-process step by tests/integration/test_launch.py.
 
-ZeRO-3 is refused. Its reduction alone would be easy to correct (it divides by the whole group,
-``sp_size`` times too much), but measured here the gradients under ZeRO-3 with a sequence
-group also point in a different direction (cosine ~0.7 to the true step) while the loss is
-exact, and the cause is not found yet; ringseq refuses rather than train wrongly.
+ZeRO-3 needs two corrections, both measured on DeepSpeed 0.19.8:
+
+* Given an mpu, DeepSpeed partitions a not-yet-partitioned model over
+  ``mpu.get_data_parallel_group()`` (data ranks only), while the optimizer reduces over the
+  partition group: with a sequence group each rank then trains on its own partial gradient
+  (no reduction at all; the loss stays exact, the step does not). ringseq partitions the
+  model itself first, over ``sp.grad_group`` (``deepspeed.zero.Init(module=...)``).
+* ZeRO-3's ``reduce_scatter`` path averages over the whole partition group, ignoring the
+  sequence size (``sp_size`` times too small); its all-reduce path divides by the data size
+  only. ringseq sets ``"reduce_scatter": false`` under ZeRO-3 and refuses an explicit ``true``.
 """
 from __future__ import annotations
 
@@ -25,6 +31,35 @@ def _load(config):
         return config
     with open(config) as f:
         return json.load(f)
+
+
+def zero3_ready(model, sp, ds_config: dict) -> dict:
+    """Under ZeRO-3 with a sequence group: partition ``model`` over ``sp.grad_group`` and turn
+    ZeRO-3's reduce_scatter off (see the module docstring). Returns the config to use."""
+    zero = ds_config.get("zero_optimization", {})
+    if zero.get("stage", 0) != 3 or sp.size == 1:
+        return ds_config
+    if zero.get("reduce_scatter") is True:
+        raise RingSeqError('ZeRO-3\'s reduce_scatter averages gradients over the sequence ranks too (DeepSpeed '
+                           '0.19.8); remove "reduce_scatter": true from zero_optimization (ringseq turns it off)')
+    ds_config = {**ds_config, "zero_optimization": {**zero, "reduce_scatter": False}}
+    if model is None:
+        return ds_config
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    want = dist.get_process_group_ranks(sp.grad_group)
+    params = list(model.parameters())
+    for p in params:
+        if is_zero_param(p) and dist.get_process_group_ranks(p.ds_process_group) != want:
+            raise RingSeqError(f"the model is already partitioned by ZeRO-3 over ranks "
+                               f"{dist.get_process_group_ranks(p.ds_process_group)}; with sequence parallelism it "
+                               f"must be partitioned over {want} (build it outside zero.Init, or pass "
+                               f"data_parallel_group=sp.grad_group to deepspeed.zero.Init)")
+    if not any(is_zero_param(p) for p in params):  # a partly converted model keeps its (checked) group
+        deepspeed.zero.Init(module=model, data_parallel_group=sp.grad_group, config_dict_or_path=ds_config)
+    return ds_config
 
 
 def initialize(*, sp=None, model=None, config=None, model_parameters=None, optimizer=None, **kwargs):
@@ -53,10 +88,7 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
         raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu=")
     if model is not None and getattr(model, "_ringseq_patch", None) is None and hasattr(model, "config"):
         patch(model, sp=sp)
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
-    if stage == 3 and sp.size > 1:
-        raise RingSeqError("ZeRO stage 3 with sequence parallelism does not yet give the single-device gradient "
-                           "(see ringseq.launch.deepspeed_glue); use ZeRO stage 0, 1 or 2")
+    ds_config = zero3_ready(model, sp, ds_config)
     engine, opt, loader, sched = deepspeed.initialize(model=model, config=ds_config, model_parameters=model_parameters,
                                                       optimizer=optimizer, mpu=sp.mpu, **kwargs)
     engine.ringseq = sp

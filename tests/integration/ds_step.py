@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--section", action="store_true", help="configure through the ds_config section")
     parser.add_argument("--config", help="a ds_config file with a ringseq section (replaces --stage's config)")
     parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
+    parser.add_argument("--reduce-scatter", action="store_true", help='set zero_optimization "reduce_scatter": true')
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -44,6 +45,8 @@ def main():
     # also checks that DeepSpeed measures the norm of the correctly reduced gradient
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
               "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True}
+    if args.reduce_scatter:
+        config["zero_optimization"]["reduce_scatter"] = True
     if args.config:
         config, sp = args.config, None  # ringseq.initialize reads the file and its "ringseq" section
     elif args.section:
@@ -57,7 +60,7 @@ def main():
         except ringseq.RingSeqError as err:
             print(f"rank {dist.get_rank()}: refused as expected: {err}", flush=True)
             return
-        raise AssertionError(f"ZeRO-{args.stage} was not refused")
+        raise AssertionError(f"ZeRO-{args.stage} {config} was not refused")
     engine, *_ = ringseq.initialize(sp=sp, model=model, config=config,
                                     optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
     sp = engine.ringseq

@@ -50,7 +50,7 @@ def deepspeed_step(nproc, *args, expect="parameters match"):
     assert out.count(expect) == nproc, out[-4000:]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_deepspeed_step_equals_single_process(stage):
     deepspeed_step(2, "--stage", str(stage))
 
@@ -59,7 +59,7 @@ def test_deepspeed_ds_config_section():
     deepspeed_step(2, "--stage", "2", "--section")
 
 
-@pytest.mark.parametrize("name", ["ds_zero1.json", "ds_zero2.json"])
+@pytest.mark.parametrize("name", ["ds_zero1.json", "ds_zero2.json", "ds_zero3.json"])
 def test_shipped_ds_configs(name):
     deepspeed_step(2, "--config", f"launch/configs/{name}")
 
@@ -74,9 +74,10 @@ def test_shipped_accelerate_config():
     assert run.returncode == 0 and "step 4" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
 
 
-def test_deepspeed_with_data_parallel_replicas():
-    deepspeed_step(4, "--stage", "1", "--sp", "2")
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_with_data_parallel_replicas(stage):
+    deepspeed_step(4, "--stage", str(stage), "--sp", "2")
 
 
-def test_deepspeed_zero3_is_refused():
-    deepspeed_step(2, "--stage", "3", "--expect-refusal", expect="refused as expected")
+def test_deepspeed_zero3_reduce_scatter_is_refused():
+    deepspeed_step(2, "--stage", "3", "--reduce-scatter", "--expect-refusal", expect="refused as expected")
