@@ -58,7 +58,7 @@ def zero3_ready(model, sp, ds_config: dict) -> dict:
                                f"must be partitioned over {want} (build it outside zero.Init, or pass "
                                f"data_parallel_group=sp.grad_group to deepspeed.zero.Init)")
     if not any(is_zero_param(p) for p in params):  # a partly converted model keeps its (checked) group
-        deepspeed.zero.Init(module=model, data_parallel_group=sp.grad_group, config_dict_or_path=ds_config)
+        deepspeed.zero.Init(module=model, data_parallel_group=sp.grad_group, config_dict_or_path=ds_config, mpu=sp.mpu)
     return ds_config
 
 
@@ -72,24 +72,35 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
     """
     import deepspeed
 
+    return initialize_with(deepspeed.initialize, sp=sp, model=model, config=config,
+                           model_parameters=model_parameters, optimizer=optimizer, **kwargs)
+
+
+def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs):
+    """``initialize`` calling ``ds_initialize`` (``deepspeed.initialize``, or the original of it
+    while Accelerate's call is routed here by ``ringseq.launch.accelerate_glue``)."""
+    import deepspeed
+
     from ringseq import patch
 
     section, ds_config = from_ds_config(_load(config))
+    if sp is None and section is None:
+        raise RingSeqError('ringseq.initialize needs sp= or a "ringseq" section in the ds_config')
+    # joins an existing torch process group too; DeepSpeed's own comm layer must know it before
+    # zero.Init reads the data-parallel size (it silently assumes 1 otherwise)
+    deepspeed.init_distributed(dist_backend=None)
     if sp is None:
-        if section is None:
-            raise RingSeqError('ringseq.initialize needs sp= or a "ringseq" section in the ds_config')
-        deepspeed.init_distributed(dist_backend=None)
         sp = section.init()
     elif section is not None and (section.sp_size not in (None, sp.size) or section.ulysses_size != sp.ulysses_size
                                   or section.layout != sp.layout):
         raise RingSeqError(f'the ds_config "ringseq" section {section} disagrees with sp= (sp_size {sp.size}, '
                            f"ulysses_size {sp.ulysses_size}, layout {sp.layout!r}); give one of them")
-    if "mpu" in kwargs:
-        raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu=")
+    if kwargs.get("mpu") is not None:
+        raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu= (nor Accelerate's sp_size)")
+    kwargs.pop("mpu", None)
     if model is not None and getattr(model, "_ringseq_patch", None) is None and hasattr(model, "config"):
         patch(model, sp=sp)
     ds_config = zero3_ready(model, sp, ds_config)
-    engine, opt, loader, sched = deepspeed.initialize(model=model, config=ds_config, model_parameters=model_parameters,
-                                                      optimizer=optimizer, mpu=sp.mpu, **kwargs)
+    engine, opt, loader, sched = ds_initialize(model=model, config=ds_config, mpu=sp.mpu, **kwargs)
     engine.ringseq = sp
     return engine, opt, loader, sched

@@ -2,7 +2,8 @@
 
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
-``config``, ``RingSeqError``.
+``config``, ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer) and
+``prepare_accelerator`` (Accelerate) import their third-party libraries on first use.
 """
 from . import config, loss
 from .attention import ring_attention, token_info
@@ -14,8 +15,16 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "config", "gather", "init", "initialize", "loss", "patch",
-           "ring_attention", "shard", "shard_batch", "token_info", "unpatch"]
+__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize", "loss",
+           "patch", "prepare_accelerator", "ring_attention", "shard", "shard_batch", "token_info", "unpatch"]
+
+
+def __getattr__(name):
+    if name == "Trainer":  # a class (users subclass it): imported from transformers on first use
+        from .launch.trainer import Trainer
+
+        return Trainer
+    raise AttributeError(f"module 'ringseq' has no attribute {name!r}")
 
 
 def patch(model, *, sp, chunked_loss: bool = True):
@@ -38,3 +47,10 @@ def unpatch(model):
     from .patches.patch import unpatch as _unpatch
 
     return _unpatch(model)
+
+
+def prepare_accelerator(accelerator, *, sp):
+    """Make an ``accelerate.Accelerator`` follow ``sp`` (see ``ringseq.launch.accelerate_glue``)."""
+    from .launch.accelerate_glue import prepare_accelerator as _prepare
+
+    return _prepare(accelerator, sp=sp)

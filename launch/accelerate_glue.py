@@ -1,0 +1,168 @@
+"""Accelerate with ringseq: one call, ``ringseq.prepare_accelerator(accelerator, sp=sp)``.
+
+Accelerate has no plugin slot for another kind of sequence parallelism (its own ``sp_size`` is
+wired to DeepSpeed Ulysses), so ringseq adjusts one ``Accelerator`` instance, before its
+``prepare`` is called, in the three places where the sequence group matters:
+
+* **data** - ``prepare_data_loader`` shards over the data-parallel replicas only, so every rank
+  of a sequence group draws the same batch (the patched model shards it along the sequence);
+* **gradients** - a DDP-wrapped model gets a communication hook that sums gradients over the
+  sequence x data ranks and divides by the number of replicas (ringseq's gradient rule; DDP's
+  own hook divides by the world size); a DeepSpeed engine gets ringseq's mpu, the ZeRO-3
+  corrections of ``ringseq.launch.deepspeed_glue`` and a ``train_batch_size`` counted over
+  replicas, not processes;
+* **metrics** - ``gather_for_metrics`` gathers one copy per sequence group (over the replicas).
+
+On CPU, ``accelerate launch`` with DeepSpeed needs the gloo process group to exist before the
+``Accelerator`` (or ``TrainingArguments``) is made, otherwise each process believes it is
+alone: call ``ringseq.init`` (or ``ringseq.config.from_env().init()``) first.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import types
+
+import torch
+import torch.distributed as dist
+
+from ringseq.errors import RingSeqError
+
+
+def check_parallelism(accelerator) -> None:
+    """Refuse Accelerate's own sequence/context parallelism next to ringseq's."""
+    pc = getattr(accelerator, "parallelism_config", None)
+    for name in ("sp_size", "cp_size", "tp_size"):
+        if pc is not None and getattr(pc, name, 1) > 1:
+            raise RingSeqError(f"Accelerate's parallelism_config has {name}={getattr(pc, name)}; ringseq already "
+                               f"splits the sequence. Unset it (ringseq's size comes from sp= or RINGSEQ_SP_SIZE)")
+
+
+def check_world(accelerator, sp) -> None:
+    """Refuse an Accelerator that sees fewer processes than the process group (made before it)."""
+    if accelerator.num_processes != dist.get_world_size():
+        raise RingSeqError(f"Accelerate sees {accelerator.num_processes} process(es) but the process group has "
+                           f"{dist.get_world_size()}: call ringseq.init() before creating the Accelerator or "
+                           f"TrainingArguments (on CPU, DeepSpeed under Accelerate needs the gloo group first)")
+
+
+def _sequence_hook(sp, bucket):
+    """DDP communication hook: sum over sequence x data ranks, divide by the replicas."""
+    tensor = bucket.buffer().div_(sp.dp_size)
+    work = dist.all_reduce(tensor, group=sp.grad_group, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0])
+
+
+def _gather_replicas(sp, data):
+    """All-gather tensors (nested) over the data-parallel replicas, concatenated along dim 0."""
+    from accelerate.utils import recursively_apply
+
+    def gather_one(tensor):
+        tensor = tensor.contiguous()
+        if tensor.dim() == 0:
+            tensor = tensor[None]
+        parts = [torch.empty_like(tensor) for _ in range(sp.dp_size)]
+        dist.all_gather(parts, tensor, group=sp.dp_group)
+        return torch.cat(parts)
+
+    return recursively_apply(gather_one, data, error_on_other_type=True)
+
+
+def _ds_config_for(sp, config: dict) -> dict:
+    """The ds_config Accelerate built, with a batch size counted over replicas, not processes."""
+    micro, gas = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
+    if isinstance(micro, int) and isinstance(gas, int):
+        config = {**config, "train_batch_size": micro * gas * sp.dp_size}
+    return config
+
+
+@contextlib.contextmanager
+def _deepspeed_with_sp(sp):
+    """Route Accelerate's ``deepspeed.initialize(**kwargs)`` through ``ringseq.initialize``."""
+    import deepspeed
+
+    from .deepspeed_glue import initialize_with
+
+    original = deepspeed.initialize
+
+    def initialize(*, config=None, config_params=None, **kwargs):
+        config = _ds_config_for(sp, dict(config if config is not None else config_params))
+        return initialize_with(original, sp=sp, config=config, **kwargs)
+
+    deepspeed.initialize = initialize
+    try:
+        yield
+    finally:
+        deepspeed.initialize = original
+
+
+def prepare_accelerator(accelerator, *, sp):
+    """Make ``accelerator.prepare`` and ``gather_for_metrics`` follow ``sp``'s topology.
+
+    Call once, after ``ringseq.init`` and before ``accelerator.prepare``. Returns the
+    accelerator. Raises ``RingSeqError`` when Accelerate's own sequence/context/tensor
+    parallelism is configured too, or when Accelerate missed the process group.
+    """
+    from accelerate.data_loader import prepare_data_loader
+    from accelerate.utils import DistributedType
+
+    if getattr(accelerator, "_ringseq", None) is not None:
+        if accelerator._ringseq is not sp:
+            raise RingSeqError("this Accelerator is already prepared for another ringseq topology")
+        return accelerator
+    check_parallelism(accelerator)
+    check_world(accelerator, sp)
+    accelerator._ringseq = sp
+    cls = type(accelerator)
+
+    def prepare_data_loader_(self, data_loader, device_placement=None, slice_fn_for_dispatch=None):
+        if getattr(data_loader, "_is_accelerate_prepared", False):
+            return cls.prepare_data_loader(self, data_loader, device_placement, slice_fn_for_dispatch)
+        if self.dispatch_batches:
+            raise RingSeqError("dispatch_batches=True sends each process a different slice of one batch; with "
+                               "ringseq every rank of a sequence group needs the whole batch: leave it off")
+        placement = self.device_placement if device_placement is None else device_placement
+        prepared = prepare_data_loader(
+            data_loader, self.device, num_processes=sp.dp_size, process_index=sp.dp_rank,
+            split_batches=self.split_batches, put_on_device=placement, rng_types=self.rng_types.copy(),
+            dispatch_batches=False, even_batches=self.even_batches, use_seedable_sampler=self.use_seedable_sampler,
+            data_seed=self.dataloader_config.data_seed, non_blocking=self.non_blocking,
+            use_stateful_dataloader=self.use_stateful_dataloader)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def prepare_model_(self, model, device_placement=None, evaluation_mode=False):
+        model = cls.prepare_model(self, model, device_placement, evaluation_mode)
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and sp.size > 1:
+            try:
+                model.register_comm_hook(sp, _sequence_hook)
+            except RuntimeError as err:
+                raise RingSeqError(f"ringseq registers its own DDP communication hook (sum over the sequence "
+                                   f"group); remove the one set through DistributedDataParallelKwargs: {err}") from err
+        return model
+
+    def prepare_deepspeed_(self, *args):
+        with _deepspeed_with_sp(sp):
+            return cls._prepare_deepspeed(self, *args)
+
+    def gather_for_metrics_(self, input_data, use_gather_object=False):
+        if use_gather_object:
+            parts = [None] * sp.dp_size
+            dist.all_gather_object(parts, input_data, group=sp.dp_group)
+            data = [x for part in parts for x in (part if isinstance(part, list) else [part])]
+        else:
+            data = _gather_replicas(sp, input_data)
+        state = self.gradient_state
+        if state.end_of_dataloader and state.remainder > 0:  # drop the samples padded in for even batches
+            from accelerate.utils import recursively_apply
+
+            cut = functools.partial(lambda n, t: t[:n], state.remainder)
+            data = data[:state.remainder] if use_gather_object else recursively_apply(cut, data)
+        return data
+
+    accelerator.prepare_data_loader = types.MethodType(prepare_data_loader_, accelerator)
+    accelerator.prepare_model = types.MethodType(prepare_model_, accelerator)
+    accelerator.gather_for_metrics = types.MethodType(gather_for_metrics_, accelerator)
+    if accelerator.distributed_type == DistributedType.DEEPSPEED:
+        accelerator._prepare_deepspeed = types.MethodType(prepare_deepspeed_, accelerator)
+    return accelerator

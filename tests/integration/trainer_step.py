@@ -1,0 +1,159 @@
+"""Run by a real launcher (deepspeed / torchrun / accelerate launch): ringseq.Trainer's optimizer
+steps must move every parameter exactly as single-process steps of the unpatched model on the
+same samples, with gradient accumulation, DeepSpeed ZeRO stages or DDP, uneven label counts
+(the loss is normalised by the step's tokens over all replicas) and clipping; evaluation must
+give the single-process loss; resuming from a checkpoint must end where the uninterrupted run
+ends. Every rank asserts.
+"""
+import argparse
+import copy
+import math
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+import ringseq
+
+S, VOCAB, LR, CLIP = 64, 64, 0.5, 1.0
+
+
+def tiny_llama():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def samples(n, seed):
+    """Samples whose label counts differ (a masked prefix of varying length)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, VOCAB, (S,), generator=g)
+        labels = ids.clone()
+        labels[: (7 * i) % (S // 2)] = -100
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def token_loss_sum(model, sample):
+    logits = model(input_ids=sample["input_ids"][None]).logits[0, :-1].double()
+    target = sample["labels"][1:]
+    keep = target != -100
+    return torch.nn.functional.cross_entropy(logits[keep], target[keep], reduction="sum"), keep.sum()
+
+
+def reference_steps(model, data, per_step, steps):
+    """Single-process SGD steps: each covers the next ``per_step`` samples, loss normalised by
+    their valid tokens, gradient clipped to CLIP."""
+    for step in range(steps):
+        batch = data[step * per_step:(step + 1) * per_step]
+        count = sum(token_loss_sum(model, s)[1] for s in batch)
+        model.zero_grad()
+        for s in batch:
+            (token_loss_sum(model, s)[0] / count).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= LR * p.grad
+    return model
+
+
+def reference_eval(model, data, dp):
+    """The Trainer's eval loss: per eval step (one sample per replica) the token-weighted mean,
+    then the mean over steps."""
+    with torch.no_grad():
+        losses = []
+        for i in range(0, len(data), dp):
+            sums, counts = zip(*(token_loss_sum(model, s) for s in data[i:i + dp]))
+            losses.append(sum(sums) / sum(counts))
+    return sum(losses) / len(losses)
+
+
+def params_of(trainer):
+    import deepspeed
+
+    out = {}
+    for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters():
+        with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else _nothing():
+            out[name] = p.detach().clone()
+    return out
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
+    ds = None
+    if args_ns.stage is not None:
+        ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+              "train_batch_size": "auto", "gradient_clipping": "auto",
+              "zero_optimization": {"stage": args_ns.stage}, "zero_allow_untested_optimizer": True}
+        if args_ns.section:
+            ds["ringseq"] = {"sp_size": args_ns.sp}
+    targs = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+                              gradient_accumulation_steps=args_ns.gas, max_steps=steps, learning_rate=LR,
+                              lr_scheduler_type="constant", optim="sgd", max_grad_norm=CLIP, weight_decay=0.0,
+                              train_sampling_strategy="sequential", logging_steps=1, report_to=[],
+                              save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
+                              disable_tqdm=True, dataloader_drop_last=False, **extra)
+    # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
+    return ringseq.Trainer(model=tiny_llama(), args=targs, train_dataset=train, eval_dataset=evaluation,
+                           sp=None if args_ns.section else sp)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sp", type=int, default=2)
+    parser.add_argument("--stage", type=int, default=None, help="DeepSpeed ZeRO stage; none: DDP")
+    parser.add_argument("--gas", type=int, default=2)
+    parser.add_argument("--section", action="store_true", help='configure through the ds_config "ringseq" section')
+    parser.add_argument("--resume", action="store_true", help="also resume from checkpoint-1 and compare")
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+
+    sp = ringseq.init(sp_size=args.sp)  # before TrainingArguments: Accelerate must find the process group
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dp, steps = sp.dp_size, 2
+    train, evaluation = samples(2 * args.gas * dp, seed=1), samples(2 * dp, seed=2)
+    with tempfile.TemporaryDirectory() as tmp:
+        out_dir = [tmp]
+        dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)
+        trainer = make_trainer(args, sp, out_dir[0], steps, train, evaluation)
+        trainer.train()
+        got = params_of(trainer)
+        eval_loss = trainer.evaluate()["eval_loss"]
+
+        want_model = reference_steps(tiny_llama(), train, args.gas * dp, steps)
+        for name, p in want_model.named_parameters():
+            moved = (p - dict(tiny_llama().named_parameters())[name]).abs().max()
+            assert torch.allclose(got[name], p.detach(), rtol=1e-4, atol=1e-6), \
+                f"rank {rank}: {name} off by {(got[name] - p).abs().max():.2e} (two steps moved it {moved:.2e})"
+        want_eval = reference_eval(want_model, evaluation, dp).item()
+        assert math.isclose(eval_loss, want_eval, rel_tol=1e-5), f"rank {rank}: eval loss {eval_loss} != {want_eval}"
+        print(f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {args.stage} gas {args.gas}: "
+              f"parameters match, eval loss {eval_loss:.6f} matches", flush=True)
+
+        if args.resume:
+            dist.barrier()
+            resumed = make_trainer(args, sp, out_dir[0] + "/resumed", steps, train, evaluation)
+            resumed.train(resume_from_checkpoint=os.path.join(out_dir[0], "checkpoint-1"))
+            again = params_of(resumed)
+            for name in got:
+                assert torch.allclose(again[name], got[name], rtol=1e-5, atol=1e-7), \
+                    f"rank {rank}: resumed {name} off by {(again[name] - got[name]).abs().max():.2e}"
+            print(f"rank {rank}: resumed from checkpoint-1: parameters match", flush=True)
+        dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
