@@ -13,14 +13,18 @@ wired to DeepSpeed Ulysses), so ringseq adjusts one ``Accelerator`` instance, be
   replicas, not processes;
 * **metrics** - ``gather_for_metrics`` gathers one copy per sequence group (over the replicas).
 
-On CPU, ``accelerate launch`` with DeepSpeed needs the gloo process group to exist before the
-``Accelerator`` (or ``TrainingArguments``) is made, otherwise each process believes it is
-alone: call ``ringseq.init`` (or ``ringseq.config.from_env().init()``) first.
+Without a GPU, Accelerate decides from the launcher's environment that there is no process group
+(``accelerate launch --multi_gpu`` or ``--use_deepspeed`` on CPU: no backend, so every process
+reports itself alone). ``prepare_accelerator(sp=sp)`` without an accelerator therefore creates
+one itself, after settling Accelerate's shared process state on the gloo group that
+``ringseq.init`` made: MULTI_CPU (DDP over gloo), or DeepSpeed over gloo when the launcher asked
+for DeepSpeed. An Accelerator made by hand that sees fewer processes than the group is refused.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import types
 
 import torch
@@ -96,15 +100,38 @@ def _deepspeed_with_sp(sp):
         deepspeed.initialize = original
 
 
-def prepare_accelerator(accelerator, *, sp):
+def _settle_cpu_state() -> None:
+    """Before the first Accelerator, on CPU with several processes: make Accelerate's shared
+    state join the existing gloo group instead of deciding there is none."""
+    from accelerate import PartialState
+
+    if PartialState._shared_state or torch.cuda.is_available() or dist.get_world_size() == 1:
+        return
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() == "true":
+        PartialState(backend="gloo")  # DeepSpeed's comm layer wraps the gloo group
+    else:
+        PartialState(cpu=True)  # MULTI_CPU: DDP over gloo
+
+
+def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
     """Make ``accelerator.prepare`` and ``gather_for_metrics`` follow ``sp``'s topology.
 
-    Call once, after ``ringseq.init`` and before ``accelerator.prepare``. Returns the
-    accelerator. Raises ``RingSeqError`` when Accelerate's own sequence/context/tensor
-    parallelism is configured too, or when Accelerate missed the process group.
+    Call after ``ringseq.init`` and before ``accelerator.prepare``. With no ``accelerator``,
+    creates ``accelerate.Accelerator(**accelerator_kwargs)`` on the process group ringseq joined
+    (on CPU too). Returns the accelerator. Raises ``RingSeqError`` when Accelerate's own
+    sequence/context/tensor parallelism is configured too, or when Accelerate missed the
+    process group.
     """
+    from accelerate import Accelerator
     from accelerate.data_loader import prepare_data_loader
     from accelerate.utils import DistributedType
+
+    if accelerator is None:
+        _settle_cpu_state()
+        accelerator = Accelerator(**accelerator_kwargs)
+    elif accelerator_kwargs:
+        raise RingSeqError(f"Accelerator arguments {sorted(accelerator_kwargs)} are for a new Accelerator; "
+                           f"this one is already made")
 
     if getattr(accelerator, "_ringseq", None) is not None:
         if accelerator._ringseq is not sp:

@@ -6,7 +6,7 @@ import sys
 
 from ringseq.errors import RingSeqError
 
-from . import demo_cmd, env_cmd, launch_cmd
+from . import check_cmd, demo_cmd, env_cmd, launch_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
     env_cmd.add_parser(sub)
+    check_cmd.add_parser(sub)
     return parser
 
 

@@ -49,8 +49,9 @@ def unpatch(model):
     return _unpatch(model)
 
 
-def prepare_accelerator(accelerator, *, sp):
-    """Make an ``accelerate.Accelerator`` follow ``sp`` (see ``ringseq.launch.accelerate_glue``)."""
+def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
+    """An ``accelerate.Accelerator`` (given, or made from ``accelerator_kwargs``) that follows
+    ``sp`` (see ``ringseq.launch.accelerate_glue``)."""
     from .launch.accelerate_glue import prepare_accelerator as _prepare
 
-    return _prepare(accelerator, sp=sp)
+    return _prepare(accelerator, sp=sp, **accelerator_kwargs)

@@ -153,6 +153,7 @@ def main():
                     f"rank {rank}: resumed {name} off by {(again[name] - got[name]).abs().max():.2e}"
             print(f"rank {rank}: resumed from checkpoint-1: parameters match", flush=True)
         dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

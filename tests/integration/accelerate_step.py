@@ -1,0 +1,53 @@
+"""Run by ``accelerate launch`` (DDP or DeepSpeed): one SGD step of a plain Accelerate loop with
+``ringseq.prepare_accelerator`` must move every parameter exactly as one single-process step on
+the same samples (each replica's batch mean, averaged over replicas, clipped as DeepSpeed clips).
+Every rank asserts."""
+import copy
+
+import torch
+import torch.distributed as dist
+from ds_step import batch_for, tiny_llama
+from torch.utils.data import DataLoader
+
+import ringseq
+
+
+def main():
+    sp = ringseq.config.from_env().init()
+    accelerator = ringseq.prepare_accelerator(sp=sp)
+    S, dp = 16 * sp.size, sp.dp_size
+    model = tiny_llama()
+    reference = copy.deepcopy(model)
+    samples = [{k: v[i] for k, v in batch_for(d, S).items()} for d in range(dp) for i in range(2)]
+    loader = DataLoader(samples, batch_size=2)  # batch d (samples 2d, 2d+1) goes to replica d
+    model, optimizer, loader = accelerator.prepare(ringseq.patch(model, sp=sp),
+                                                   torch.optim.SGD(model.parameters(), lr=1.0), loader)
+    batch = next(iter(loader))
+    accelerator.backward(model(**batch).loss)
+    optimizer.step()
+
+    clip = None
+    if accelerator.distributed_type.value == "DEEPSPEED":
+        clip = accelerator.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
+    for d in range(dp):
+        (reference(**batch_for(d, S)).loss / dp).backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= p.grad
+    want = dict(reference.named_parameters())
+    import deepspeed
+
+    for name, p in accelerator.unwrap_model(model).named_parameters():
+        with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
+            got = p.detach().clone()
+        assert torch.allclose(got, want[name].detach(), rtol=1e-4, atol=1e-6), \
+            f"rank {dist.get_rank()}: {name} off by {(got - want[name]).abs().max():.2e}"
+    print(f"rank {dist.get_rank()}: accelerate {accelerator.distributed_type.value} sp {sp.size} dp {dp} "
+          f"clip {clip}: parameters match", flush=True)
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()
