@@ -33,6 +33,8 @@ def main():
     parser.add_argument("--config", help="a ds_config file with a ringseq section (replaces --stage's config)")
     parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
     parser.add_argument("--reduce-scatter", action="store_true", help='set zero_optimization "reduce_scatter": true')
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="save after the step, load into a fresh engine, take one more step on both")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     deepspeed.init_distributed(dist_backend="gloo")
@@ -61,8 +63,9 @@ def main():
             print(f"rank {dist.get_rank()}: refused as expected: {err}", flush=True)
             return
         raise AssertionError(f"ZeRO-{args.stage} {config} was not refused")
+    # momentum: its first step is plain SGD; after a checkpoint round trip it must carry over
     engine, *_ = ringseq.initialize(sp=sp, model=model, config=config,
-                                    optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
+                                    optimizer=torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
     sp = engine.ringseq
     loss = engine(**batch_for(sp.dp_rank, S)).loss
     engine.backward(loss)
@@ -85,6 +88,46 @@ def main():
             f"(a step moved it by {moved:.2e})"
     print(f"rank {dist.get_rank()}: ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp}: parameters match",
           flush=True)
+    if args.checkpoint:
+        checkpoint_round_trip(engine, sp, config, S)
+    dist.destroy_process_group()
+
+
+def gathered(engine):
+    out = {}
+    for name, p in engine.module.named_parameters():
+        with deepspeed.zero.GatheredParameters([p]):
+            out[name] = p.detach().clone()
+    return out
+
+
+def checkpoint_round_trip(engine, sp, config, S):
+    """Save, load into a fresh engine (other weights), then one more step on both: equal."""
+    import tempfile
+
+    folder = [tempfile.mkdtemp(prefix="ringseq-ckpt-")]
+    dist.broadcast_object_list(folder, src=0)
+    engine.save_checkpoint(folder[0], tag="step1")
+    torch.manual_seed(1)
+    fresh = tiny_llama()
+    for p in fresh.parameters():
+        p.data.normal_()
+    other, *_ = ringseq.initialize(sp=sp, model=fresh, config=config,
+                                   optimizer=torch.optim.SGD(fresh.parameters(), lr=1.0, momentum=0.9))
+    other.load_checkpoint(folder[0], tag="step1")
+    for e in (engine, other):
+        e.backward(e(**batch_for(sp.dp_rank + 7, S)).loss)
+        e.step()
+    a, b = gathered(engine), gathered(other)
+    for name in a:
+        assert torch.equal(a[name], b[name]), f"rank {dist.get_rank()}: {name} differs after the checkpoint " \
+                                              f"round trip by {(a[name] - b[name]).abs().max():.2e}"
+    print(f"rank {dist.get_rank()}: checkpoint saved and loaded under sp {sp.size}: next step matches", flush=True)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        import shutil
+
+        shutil.rmtree(folder[0])
 
 
 if __name__ == "__main__":

@@ -38,7 +38,7 @@ def test_env_reports_kernels():
     assert run.returncode == 0 and "kernel cpu float32: cpu_flash" in run.stdout
 
 
-def deepspeed_step(nproc, *args, expect="parameters match"):
+def deepspeed_step(nproc, *args, expect="parameters match", also=None):
     exe = Path(sys.executable).with_name("deepspeed")
     from ringseq.testing import free_port
 
@@ -48,6 +48,7 @@ def deepspeed_step(nproc, *args, expect="parameters match"):
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     assert out.count(expect) == nproc, out[-4000:]
+    assert also is None or out.count(also) == nproc, out[-4000:]
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -75,8 +76,8 @@ def test_shipped_accelerate_config():
 
 
 @pytest.mark.parametrize("stage", [1, 3])
-def test_deepspeed_with_data_parallel_replicas(stage):
-    deepspeed_step(4, "--stage", str(stage), "--sp", "2")
+def test_deepspeed_with_data_parallel_replicas_and_checkpoint(stage):
+    deepspeed_step(4, "--stage", str(stage), "--sp", "2", "--checkpoint", also="next step matches")
 
 
 def test_deepspeed_zero3_reduce_scatter_is_refused():

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import ringseq
 
-S, VOCAB, LR, CLIP = 64, 64, 0.5, 1.0
+S, VOCAB, LR, CLIP, MOMENTUM = 64, 64, 0.5, 1.0, 0.9
 
 
 def tiny_llama():
@@ -48,8 +48,10 @@ def token_loss_sum(model, sample):
 
 
 def reference_steps(model, data, per_step, steps):
-    """Single-process SGD steps: each covers the next ``per_step`` samples, loss normalised by
-    their valid tokens, gradient clipped to CLIP."""
+    """Single-process SGD steps with momentum (torch's rule): each covers the next ``per_step``
+    samples, loss normalised by their valid tokens, gradient clipped to CLIP. The momentum makes
+    a resumed run depend on the optimizer state restored from the checkpoint."""
+    velocity = {}
     for step in range(steps):
         batch = data[step * per_step:(step + 1) * per_step]
         count = sum(token_loss_sum(model, s)[1] for s in batch)
@@ -59,7 +61,8 @@ def reference_steps(model, data, per_step, steps):
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         with torch.no_grad():
             for p in model.parameters():
-                p -= LR * p.grad
+                velocity[p] = p.grad.clone() if p not in velocity else MOMENTUM * velocity[p] + p.grad
+                p -= LR * velocity[p]
     return model
 
 
@@ -102,7 +105,8 @@ def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
             ds["ringseq"] = {"sp_size": args_ns.sp}
     targs = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                               gradient_accumulation_steps=args_ns.gas, max_steps=steps, learning_rate=LR,
-                              lr_scheduler_type="constant", optim="sgd", max_grad_norm=CLIP, weight_decay=0.0,
+                              lr_scheduler_type="constant", optim="sgd", optim_args=f"momentum={MOMENTUM}",
+                              max_grad_norm=CLIP, weight_decay=0.0,
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, **extra)
@@ -123,8 +127,8 @@ def main():
 
     sp = ringseq.init(sp_size=args.sp)  # before TrainingArguments: Accelerate must find the process group
     world, rank = dist.get_world_size(), dist.get_rank()
-    dp, steps = sp.dp_size, 2
-    train, evaluation = samples(2 * args.gas * dp, seed=1), samples(2 * dp, seed=2)
+    dp, steps = sp.dp_size, 3
+    train, evaluation = samples(steps * args.gas * dp, seed=1), samples(2 * dp, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = [tmp]
         dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)
@@ -137,7 +141,7 @@ def main():
         for name, p in want_model.named_parameters():
             moved = (p - dict(tiny_llama().named_parameters())[name]).abs().max()
             assert torch.allclose(got[name], p.detach(), rtol=1e-4, atol=1e-6), \
-                f"rank {rank}: {name} off by {(got[name] - p).abs().max():.2e} (two steps moved it {moved:.2e})"
+                f"rank {rank}: {name} off by {(got[name] - p).abs().max():.2e} (the steps moved it {moved:.2e})"
         want_eval = reference_eval(want_model, evaluation, dp).item()
         assert math.isclose(eval_loss, want_eval, rel_tol=1e-5), f"rank {rank}: eval loss {eval_loss} != {want_eval}"
         print(f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {args.stage} gas {args.gas}: "
