@@ -12,7 +12,8 @@ What changes against the stock Trainer, and why:
 * the token count that normalises the loss (``num_items_in_batch``) is counted once per
   replica: the stock Trainer gathers it from every process, which counts each sequence group's
   batch ``sp_size`` times, and scales the loss by the world size instead of the replicas;
-* evaluation gathers one loss per replica.
+* evaluation gathers one loss per replica, and ``num_input_tokens_seen`` counts each group's
+  batch once.
 
 Resuming from a checkpoint skips the batches already seen exactly as the stock Trainer does:
 the sharded dataloader skips the same batches on every rank of a group.
@@ -66,15 +67,15 @@ class Trainer(transformers.Trainer):
     """
 
     def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
+        self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
         if args is None:
-            raise RingSeqError("ringseq.Trainer needs args= (TrainingArguments), created after ringseq.init")
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")  # the stock Trainer's default
         if args.label_smoothing_factor:
             raise RingSeqError("label smoothing is not available: the patched model computes plain cross-entropy")
         for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
             if kwargs.get(name) is not None:
                 raise RingSeqError(f"ringseq.Trainer does not take {name}: the patched model returns the exact loss, "
                                    f"never the full logits; evaluate the loss, or unpatch to predict")
-        self.sp = resolve_sp(sp, args)
         from ringseq import patch
 
         if model is not None:
@@ -100,6 +101,11 @@ class Trainer(transformers.Trainer):
         if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = count / self.sp.size  # gathered from every process: each group's batch sp_size times
         return count
+
+    def _track_num_input_tokens(self, inputs):
+        before = self.state.num_input_tokens_seen
+        super()._track_num_input_tokens(inputs)  # gathered from every process: each batch sp_size times
+        self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp.size
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is not None:

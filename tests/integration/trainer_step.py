@@ -109,7 +109,8 @@ def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
                               max_grad_norm=CLIP, weight_decay=0.0,
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
-                              disable_tqdm=True, dataloader_drop_last=False, **extra)
+                              disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
+                              **extra)
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=tiny_llama(), args=targs, train_dataset=train, eval_dataset=evaluation,
                            sp=None if args_ns.section else sp)
@@ -136,6 +137,8 @@ def main():
         trainer.train()
         got = params_of(trainer)
         eval_loss = trainer.evaluate()["eval_loss"]
+        seen = trainer.state.num_input_tokens_seen
+        assert seen == steps * args.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * args.gas * dp * S}"
 
         want_model = reference_steps(tiny_llama(), train, args.gas * dp, steps)
         for name, p in want_model.named_parameters():
