@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--section", action="store_true", help="configure through the ds_config section")
     parser.add_argument("--config", help="a ds_config file with a ringseq section (replaces --stage's config)")
     parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
+    parser.add_argument("--section-extra", default=None, help='an extra key=value for the "ringseq" section')
     parser.add_argument("--reduce-scatter", action="store_true", help='set zero_optimization "reduce_scatter": true')
     parser.add_argument("--checkpoint", action="store_true",
                         help="save after the step, load into a fresh engine, take one more step on both")
@@ -53,6 +54,9 @@ def main():
         config, sp = args.config, None  # ringseq.initialize reads the file and its "ringseq" section
     elif args.section:
         config["ringseq"] = {"sp_size": args.sp, "layout": "zigzag"}
+        if args.section_extra:
+            key, value = args.section_extra.split("=")
+            config["ringseq"][key] = value
         sp = None
     else:
         sp = ringseq.init(sp_size=args.sp)
@@ -60,7 +64,7 @@ def main():
         try:
             ringseq.initialize(sp=sp, model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
         except ringseq.RingSeqError as err:
-            print(f"rank {dist.get_rank()}: refused as expected: {err}", flush=True)
+            print(f"rank {dist.get_rank()}: refused as expected: RingSeqError: {err}", flush=True)
             return
         raise AssertionError(f"ZeRO-{args.stage} {config} was not refused")
     # momentum: its first step is plain SGD; after a checkpoint round trip it must carry over

@@ -82,3 +82,11 @@ def test_deepspeed_with_data_parallel_replicas_and_checkpoint(stage):
 
 def test_deepspeed_zero3_reduce_scatter_is_refused():
     deepspeed_step(2, "--stage", "3", "--reduce-scatter", "--expect-refusal", expect="refused as expected")
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--sp", "3"], "sp_size 3 must divide the world size"),
+    (["--section-extra", "sp_szie=2"], "unknown keys ['sp_szie']")])
+def test_deepspeed_bad_ringseq_section_is_refused(args, message):
+    deepspeed_step(2, "--stage", "2", "--section", "--expect-refusal", *args, expect="refused as expected",
+                   also=message)

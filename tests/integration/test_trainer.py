@@ -39,7 +39,8 @@ def accelerate(nproc, script, *flags):
 
 
 @pytest.mark.parametrize("stage,nproc,extra", [
-    (1, 2, []), (2, 2, ["--resume"]), (3, 2, ["--resume", "--section"]), (3, 4, ["--resume"])])
+    (1, 2, []), (2, 2, ["--resume"]), (3, 2, ["--resume", "--section"]),
+    (3, 4, ["--resume", "--pretrained"])])
 def test_trainer_deepspeed_steps_equal_single_process(stage, nproc, extra):
     launched(deepspeed(nproc, HERE / "trainer_step.py", "--stage", str(stage), *extra), "parameters match",
              nproc * (2 if "--resume" in extra else 1))

@@ -111,8 +111,10 @@ def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
                               **extra)
+    # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned
+    model = LlamaForCausalLM.from_pretrained(args_ns.pretrained) if args_ns.pretrained else tiny_llama()
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
-    return ringseq.Trainer(model=tiny_llama(), args=targs, train_dataset=train, eval_dataset=evaluation,
+    return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            sp=None if args_ns.section else sp)
 
 
@@ -123,6 +125,7 @@ def main():
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--section", action="store_true", help='configure through the ds_config "ringseq" section')
     parser.add_argument("--resume", action="store_true", help="also resume from checkpoint-1 and compare")
+    parser.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
 
@@ -133,6 +136,11 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = [tmp]
         dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)
+        if args.pretrained:
+            args.pretrained = os.path.join(out_dir[0], "pretrained")
+            if rank == 0:
+                tiny_llama().save_pretrained(args.pretrained)
+            dist.barrier()
         trainer = make_trainer(args, sp, out_dir[0], steps, train, evaluation)
         trainer.train()
         got = params_of(trainer)
