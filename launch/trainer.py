@@ -63,13 +63,17 @@ class Trainer(transformers.Trainer):
     Create it (``ringseq.init``) before the ``TrainingArguments`` when several processes run, so
     Accelerate finds the process group. Raises ``RingSeqError`` for what ringseq cannot do
     exactly: label smoothing, a custom ``compute_loss_func``, ``compute_metrics`` on logits (the
-    patched model never holds the full logits), Accelerate's own sequence parallelism.
+    patched model never holds the full logits), the ``batch_rebalance`` sampler (it deals batches
+    per process), Accelerate's own sequence parallelism.
     """
 
     def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
         self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
         if args is None:
             args = transformers.TrainingArguments(output_dir="tmp_trainer")  # the stock Trainer's default
+        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+            raise RingSeqError('train_sampling_strategy="batch_rebalance" deals batches to every process; with '
+                               "ringseq a sequence group shares one batch: use random, sequential or group_by_length")
         if args.label_smoothing_factor:
             raise RingSeqError("label smoothing is not available: the patched model computes plain cross-entropy")
         for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):

@@ -48,6 +48,35 @@ def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return TokenInfo(doc=doc, valid=valid)
 
 
+def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Shape and a position-weighted sum of the bits of each tensor: equal batches give equal
+    fingerprints on every rank; a different or reordered batch almost surely does not."""
+    parts = []
+    for t in tensors:
+        x = t.detach().reshape(-1)
+        if x.is_floating_point():
+            x = x.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+        weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
+        parts += [torch.tensor(list(t.shape), device=x.device).sum(), (x.long() * weights).sum()]
+    return torch.stack(parts)
+
+
+def check_same_batch(batch: dict, sp) -> None:
+    """Refuse when the ranks of a sequence group were handed different full batches (the usual
+    mistake: a dataloader sharded over all ranks instead of over data-parallel replicas)."""
+    import torch.distributed as dist
+
+    mine = _fingerprint([batch[k] for k in SEQUENCE_KEYS if torch.is_tensor(batch.get(k))])
+    every = [torch.empty_like(mine) for _ in range(sp.size)]
+    dist.all_gather(every, mine, group=sp.group)
+    different = [r for r, other in enumerate(every) if not torch.equal(other, every[0])]
+    if different:
+        raise RingSeqError(f"the ranks of a sequence group hold different batches (group ranks {different} differ "
+                           f"from group rank 0): every rank of a group must get the same full batch. Shard the "
+                           f"data over data-parallel replicas (sp.dp_rank of sp.dp_size), not over all ranks; "
+                           f"ringseq.Trainer and ringseq.prepare_accelerator do this")
+
+
 def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     """Full batch (every rank of the sequence group holds the same one) -> this rank's shard.
 
@@ -61,6 +90,8 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     with the labels, the global loss); ``ringseq.loss.cross_entropy(logits, local["labels"],
     sp=sp)`` computes the same loss by hand. ``documents_apart=False`` lets packed documents
     see each other (a patched model whose unpatched version does that overrides it anyway).
+    Raises ``RingSeqError`` when the ranks of the group were given different batches (checked
+    by one all-gather of a fingerprint).
     """
     unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
     if unknown:
@@ -68,6 +99,8 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
     if tokens is None:
         raise RingSeqError("the batch needs input_ids or inputs_embeds")
+    if sp.size > 1:
+        check_same_batch(batch, sp)
     B, S = tokens.shape[:2]
     position_ids = batch.get("position_ids")
     if position_ids is None:

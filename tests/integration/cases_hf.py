@@ -260,3 +260,20 @@ def chunked_loss_is_exact():
         part = ringseq.loss.chunked_cross_entropy(hidden, labels, head, sp=sp, count=count, chunk=chunk)
         ch, cw = torch.autograd.grad(part, (hidden, head.weight))
         assert torch.allclose(part, whole, rtol=1e-14) and torch.allclose(ch, gh) and torch.allclose(cw, gw)
+
+
+def different_batches_are_refused():
+    """A patched model (and shard_batch) handed a different full batch on one rank of the group
+    refuses on every rank instead of computing a mix of two batches."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    model = ringseq.patch(tiny_model("llama"), sp=sp)
+    batch = make_batch(2, 16 * world, "plain")
+    if sp.rank == world - 1:
+        batch = {k: v.flip(1) for k, v in batch.items()}  # same tokens, another order
+    try:
+        model(**batch)
+    except ringseq.RingSeqError as err:
+        assert "hold different batches" in str(err) and f"group ranks [{world - 1}]" in str(err), err
+    else:
+        raise AssertionError("a different batch on one rank was not refused")

@@ -38,3 +38,8 @@ def test_manual_path_with_shard_batch(pool2, pool4):
 
 def test_chunked_loss_is_exact(pool2):
     pool2.run(cases_hf.chunked_loss_is_exact)
+
+
+def test_different_batches_in_a_group_are_refused(pool2, pool4):
+    pool2.run(cases_hf.different_batches_are_refused)
+    pool4.run(cases_hf.different_batches_are_refused)
