@@ -95,3 +95,7 @@ def test_check_reports_parity(tmp_path):
 def test_check_catches_a_wrong_loss():
     out = launched(ringseq_check(HERE / "check_broken.py"), "MISMATCH (rule", 1, returncode=1)
     assert "step 0" in out
+
+
+def test_trainer_refusals():
+    launched([sys.executable, str(HERE / "trainer_refusals.py")], "refusals ok", 1, cwd=HERE)
