@@ -23,7 +23,6 @@ for DeepSpeed. An Accelerator made by hand that sees fewer processes than the gr
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import types
 
@@ -46,8 +45,9 @@ def check_world(accelerator, sp) -> None:
     """Refuse an Accelerator that sees fewer processes than the process group (made before it)."""
     if accelerator.num_processes != dist.get_world_size():
         raise RingSeqError(f"Accelerate sees {accelerator.num_processes} process(es) but the process group has "
-                           f"{dist.get_world_size()}: call ringseq.init() before creating the Accelerator or "
-                           f"TrainingArguments (on CPU, DeepSpeed under Accelerate needs the gloo group first)")
+                           f"{dist.get_world_size()} (without a GPU Accelerate finds no backend by itself): let "
+                           f"ringseq.prepare_accelerator(sp=sp) create the Accelerator, or call ringseq.init() "
+                           f"before TrainingArguments")
 
 
 def _sequence_hook(sp, bucket):
@@ -183,8 +183,8 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
         if state.end_of_dataloader and state.remainder > 0:  # drop the samples padded in for even batches
             from accelerate.utils import recursively_apply
 
-            cut = functools.partial(lambda n, t: t[:n], state.remainder)
-            data = data[:state.remainder] if use_gather_object else recursively_apply(cut, data)
+            keep = state.remainder
+            data = data[:keep] if use_gather_object else recursively_apply(lambda t: t[:keep], data)
         return data
 
     accelerator.prepare_data_loader = types.MethodType(prepare_data_loader_, accelerator)

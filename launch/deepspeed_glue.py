@@ -91,10 +91,8 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
     deepspeed.init_distributed(dist_backend=None)
     if sp is None:
         sp = section.init()
-    elif section is not None and (section.sp_size not in (None, sp.size) or section.ulysses_size != sp.ulysses_size
-                                  or section.layout != sp.layout):
-        raise RingSeqError(f'the ds_config "ringseq" section {section} disagrees with sp= (sp_size {sp.size}, '
-                           f"ulysses_size {sp.ulysses_size}, layout {sp.layout!r}); give one of them")
+    elif section is not None:
+        section.check_matches(sp)
     if kwargs.get("mpu") is not None:
         raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu= (nor Accelerate's sp_size)")
     kwargs.pop("mpu", None)

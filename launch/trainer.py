@@ -48,10 +48,8 @@ def resolve_sp(sp, args):
     section = _ds_section(args)
     if sp is None:
         return (section or from_env()).init()
-    if section is not None and (section.sp_size not in (None, sp.size) or section.ulysses_size != sp.ulysses_size
-                                or section.layout != sp.layout):
-        raise RingSeqError(f'the ds_config "ringseq" section {section} disagrees with sp= (sp_size {sp.size}, '
-                           f"ulysses_size {sp.ulysses_size}, layout {sp.layout!r}); give one of them")
+    if section is not None:
+        section.check_matches(sp)
     return sp
 
 

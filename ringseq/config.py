@@ -38,6 +38,12 @@ class RingSeqConfig:
         if self.layout not in LAYOUTS:
             raise RingSeqError(f"ringseq layout {self.layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
 
+    def check_matches(self, sp) -> None:
+        """Refuse a ``SequenceParallel`` that these settings (a ds_config section) contradict."""
+        if self.sp_size not in (None, sp.size) or self.ulysses_size != sp.ulysses_size or self.layout != sp.layout:
+            raise RingSeqError(f'the ds_config "ringseq" section {self} disagrees with sp= (sp_size {sp.size}, '
+                               f"ulysses_size {sp.ulysses_size}, layout {sp.layout!r}); give one of them")
+
     def init(self, **kwargs):
         """``ringseq.init`` with these settings (sp_size None: the whole world)."""
         import torch.distributed as dist

@@ -1,4 +1,5 @@
 """The ringseq command and DeepSpeed glue, through the real launchers in subprocesses."""
+import glob
 import os
 import subprocess
 import sys
@@ -42,11 +43,14 @@ def deepspeed_step(nproc, *args, expect="parameters match", also=None):
     exe = Path(sys.executable).with_name("deepspeed")
     from ringseq.testing import free_port
 
-    run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(free_port()),
+    port = free_port()
+    run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(port),
                           "tests/integration/ds_step.py", *args], cwd=ROOT, capture_output=True, text=True,
                          timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
+    # DeepSpeed's CPU comm layer leaves a ~69 MB /dev/shm buffer per rank; ringseq.init removes the names
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shared-memory buffers left behind"
     assert out.count(expect) == nproc, out[-4000:]
     assert also is None or out.count(also) == nproc, out[-4000:]
 

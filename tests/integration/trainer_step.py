@@ -6,7 +6,6 @@ give the single-process loss; resuming from a checkpoint must end where the unin
 ends. Every rank asserts.
 """
 import argparse
-import copy
 import math
 import os
 import tempfile
@@ -130,7 +129,7 @@ def main():
     args = parser.parse_args()
 
     sp = ringseq.init(sp_size=args.sp)  # before TrainingArguments: Accelerate must find the process group
-    world, rank = dist.get_world_size(), dist.get_rank()
+    rank = dist.get_rank()
     dp, steps = sp.dp_size, 3
     train, evaluation = samples(steps * args.gas * dp, seed=1), samples(2 * dp, seed=2)
     with tempfile.TemporaryDirectory() as tmp:
