@@ -20,8 +20,11 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from ringseq.config import from_ds_config
 from ringseq.errors import RingSeqError
+from ringseq.topology import join_deepspeed_comm
 
 
 def _load(config):
@@ -83,12 +86,14 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
 
     from ringseq import patch
 
+    # DeepSpeed's comm layer must know the process group before zero.Init reads the data-parallel
+    # size (it silently assumes 1 otherwise); joining also releases its /dev/shm buffer name
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=None)
+    join_deepspeed_comm()
     section, ds_config = from_ds_config(_load(config))
     if sp is None and section is None:
         raise RingSeqError('ringseq.initialize needs sp= or a "ringseq" section in the ds_config')
-    # joins an existing torch process group too; DeepSpeed's own comm layer must know it before
-    # zero.Init reads the data-parallel size (it silently assumes 1 otherwise)
-    deepspeed.init_distributed(dist_backend=None)
     if sp is None:
         sp = section.init()
     elif section is not None:

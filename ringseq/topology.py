@@ -78,7 +78,7 @@ def _ensure_process_group(backend: str | None) -> None:
                                 rank=0, world_size=1)
 
 
-def _join_deepspeed_comm() -> None:
+def join_deepspeed_comm() -> None:
     """Let DeepSpeed's comm layer wrap the process group now. ZeRO-3's ``zero.Init`` (which
     transformers' ``from_pretrained`` enters under a ZeRO-3 config) reads the data-parallel size
     through it and, when it is not initialised, silently assumes one process."""
@@ -173,7 +173,7 @@ def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *,
 
     check_layout(layout)
     _ensure_process_group(backend)
-    _join_deepspeed_comm()
+    join_deepspeed_comm()
     world, me = dist.get_world_size(), dist.get_rank()
     _check_sizes(world, sp_size, ulysses_size)
     dims = [world // sp_size, sp_size // ulysses_size, ulysses_size]
