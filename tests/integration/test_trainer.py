@@ -39,16 +39,16 @@ def accelerate(nproc, script, *flags):
 
 
 @pytest.mark.parametrize("stage,nproc,extra", [
-    (1, 2, []), (2, 2, ["--resume"]), (3, 2, ["--resume", "--section"]),
+    (1, 2, []), (2, 2, ["--resume"]), (3, 2, ["--resume", "--section", "--checkpointing"]),
     (3, 4, ["--resume", "--pretrained"])])
 def test_trainer_deepspeed_steps_equal_single_process(stage, nproc, extra):
     launched(deepspeed(nproc, HERE / "trainer_step.py", "--stage", str(stage), *extra), "parameters match",
              nproc * (2 if "--resume" in extra else 1))
 
 
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_trainer_ddp_steps_equal_single_process(nproc):
-    launched(torchrun(nproc, HERE / "trainer_step.py", "--resume"), "parameters match", 2 * nproc)
+@pytest.mark.parametrize("nproc,extra", [(2, ["--checkpointing"]), (4, [])])
+def test_trainer_ddp_steps_equal_single_process(nproc, extra):
+    launched(torchrun(nproc, HERE / "trainer_step.py", "--resume", *extra), "parameters match", 2 * nproc)
 
 
 def test_trainer_under_accelerate_launch():

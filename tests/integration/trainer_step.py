@@ -109,7 +109,7 @@ def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
-                              **extra)
+                              gradient_checkpointing=args_ns.checkpointing, **extra)
     # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned
     model = LlamaForCausalLM.from_pretrained(args_ns.pretrained) if args_ns.pretrained else tiny_llama()
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
@@ -125,6 +125,7 @@ def main():
     parser.add_argument("--section", action="store_true", help='configure through the ds_config "ringseq" section')
     parser.add_argument("--resume", action="store_true", help="also resume from checkpoint-1 and compare")
     parser.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained")
+    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (layers recomputed)")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
 
