@@ -27,7 +27,8 @@ from ringseq.errors import RingSeqError
 from ringseq.topology import join_deepspeed_comm
 
 
-def _load(config):
+def load_ds_config(config) -> dict:
+    """A ds_config given as a dict, a JSON file path, or None (empty)."""
     if config is None:
         return {}
     if isinstance(config, dict):
@@ -91,7 +92,7 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=None)
     join_deepspeed_comm()
-    section, ds_config = from_ds_config(_load(config))
+    section, ds_config = from_ds_config(load_ds_config(config))
     if sp is None and section is None:
         raise RingSeqError('ringseq.initialize needs sp= or a "ringseq" section in the ds_config')
     if sp is None:

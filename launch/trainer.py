@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import json
 
 import transformers
 
@@ -30,17 +29,12 @@ from ringseq.config import from_ds_config, from_env
 from ringseq.errors import RingSeqError
 
 from .accelerate_glue import prepare_accelerator
+from .deepspeed_glue import load_ds_config
 
 
 def _ds_section(args):
     """The ``"ringseq"`` section of the TrainingArguments' ds_config, or None."""
-    ds = getattr(args, "deepspeed", None)
-    if ds is None:
-        return None
-    if isinstance(ds, str):
-        with open(ds) as f:
-            ds = json.load(f)
-    return from_ds_config(ds)[0]
+    return from_ds_config(load_ds_config(getattr(args, "deepspeed", None)))[0]
 
 
 def resolve_sp(sp, args):

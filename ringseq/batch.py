@@ -55,7 +55,8 @@ def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
     for t in tensors:
         x = t.detach().reshape(-1)
         if x.is_floating_point():  # embeddings: a strided sample of at most ~1M values is plenty
-            x = x[:: x.numel() // 2**20 + 1].view({2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
+            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+            x = x[:: x.numel() // 2**20 + 1].view(bits)
         weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
         parts += [torch.tensor(list(t.shape), device=x.device).sum(), (x.long() * weights).sum()]
     return torch.stack(parts)

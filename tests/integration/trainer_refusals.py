@@ -1,4 +1,5 @@
-"""One process: what ringseq.Trainer and prepare_accelerator refuse, each with a RingSeqError."""
+"""One process: what ringseq.Trainer and prepare_accelerator refuse, each with a RingSeqError, and a
+model_init model that comes out patched."""
 import tempfile
 
 from accelerate import Accelerator
@@ -37,6 +38,9 @@ def main():
             "unknown keys ['sp_sise']")
     refused(lambda: ringseq.prepare_accelerator(Accelerator(), sp=sp, gradient_accumulation_steps=2),
             "this one is already made")
+    built = ringseq.Trainer(args=TrainingArguments(output_dir=out, report_to=[]), model_init=tiny_llama,
+                            train_dataset=samples(2, 1), sp=sp)
+    assert built.model._ringseq_patch.sp is sp, "model_init's model was not patched"
     print("refusals ok", flush=True)
 
 
