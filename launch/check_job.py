@@ -15,7 +15,6 @@ import copy
 import json
 import re
 import runpy
-import sys
 
 import torch
 import torch.distributed as dist
@@ -140,4 +139,6 @@ def report(row: dict, ok: bool) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ringseq.testing import exit_now
+
+    exit_now(main())
