@@ -142,10 +142,11 @@ def sdpa_reference(q, k, v, dout, *, causal: bool, scale: float | None = None):
 
 
 def exit_now(code: int = 0) -> None:
-    """End a launched job without interpreter teardown. On this CPU machine a 2-process gloo job
-    that has imported DeepSpeed aborts at exit in about 1 run of 3 ("terminate called without an
-    active exception", even after destroy_process_group; plain torch does not): our jobs and test
-    scripts flush and leave with ``os._exit`` once their work and checks are done."""
+    """End a launched job without interpreter teardown. With torch 2.13 on this CPU machine a
+    2-process gloo job that has imported ``torch._dynamo`` (DeepSpeed and transformers do) aborts
+    at exit in about 1 run of 3 ("terminate called without an active exception", even after
+    destroy_process_group; without the import it does not): our jobs and test scripts flush and
+    leave with ``os._exit`` once their work and checks are done."""
     import os
     import sys
 
