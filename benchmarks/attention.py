@@ -62,7 +62,7 @@ class _Echo:
 
 def _ringseq_step(compute_only: bool):
     import ringseq
-    from ringseq.comm import RingComm
+    from ringseq.attention.comm import RingComm
 
     if compute_only:
         RingComm.post = lambda self, tensors, shift=1: _Echo(tensors)

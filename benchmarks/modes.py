@@ -33,9 +33,10 @@ H, D, B = 8, 64, 1
 
 
 def _steps(sp, N, window):
-    from ringseq.masks import TokenInfo, ring_schedule
+    from ringseq.attention.masks import TokenInfo
+    from ringseq.attention.schedule import steps_needed
 
-    return ring_schedule(sp.layout, N, sp.ring_size, True, TokenInfo(), window)[1]
+    return steps_needed(sp.layout, N, sp.ring_size, True, TokenInfo(), window)
 
 
 def measure(N: int, kv: int, layout: str, ulysses: int, window, reps: int) -> dict:

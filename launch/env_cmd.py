@@ -16,7 +16,7 @@ def report() -> dict:
     import torch
     import torch.distributed as dist
 
-    from ringseq.kernels import select
+    from ringseq.attention.kernels import select
 
     info = {"python": platform.python_version()}
     for name in PACKAGES:

@@ -18,7 +18,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from ringseq.batch import shard_batch
 from ringseq.errors import RingSeqError
 from ringseq.loss import IGNORE, chunked_cross_entropy, cross_entropy
-from ringseq.masks import TokenInfo
+from ringseq.attention.masks import TokenInfo
 
 from . import checks
 from .documents import isolates_documents

@@ -15,8 +15,9 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize", "loss",
-           "patch", "prepare_accelerator", "ring_attention", "shard", "shard_batch", "token_info", "unpatch"]
+__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
+           "join_deepspeed", "loss", "patch", "prepare_accelerator", "ring_attention", "shard", "shard_batch",
+           "token_info", "unpatch"]
 
 
 def __getattr__(name):
@@ -40,6 +41,18 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
 
     return _initialize(sp=sp, model=model, config=config, model_parameters=model_parameters, optimizer=optimizer,
                        **kwargs)
+
+
+def join_deepspeed():
+    """Join DeepSpeed's comm layer now (see ``ringseq.launch.deepspeed_glue.join_deepspeed_comm``).
+
+    ``ringseq.initialize``, ``ringseq.Trainer`` and Accelerate with DeepSpeed do this themselves.
+    Call it only to build a ZeRO-3 model *before* them on CPU: ``from_pretrained`` under a
+    ZeRO-3 ``TrainingArguments(use_cpu=True)`` (on GPU, TrainingArguments joins it already).
+    """
+    from .launch.deepspeed_glue import join_deepspeed_comm
+
+    join_deepspeed_comm()
 
 
 def unpatch(model):

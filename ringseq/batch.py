@@ -13,7 +13,7 @@ import torch
 
 from .errors import RingSeqError
 from .loss import IGNORE
-from .masks import TokenInfo, documents
+from .attention.masks import TokenInfo, documents
 from .sharding import shard
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")

@@ -61,6 +61,26 @@ def segments(layout: str, s: int, P: int, r: int) -> list[tuple[int, int]] | Non
     return None
 
 
+def runs(layout: str, S: int, P: int, r: int) -> list[tuple[int, int, int]]:
+    """Rank r's tokens as arithmetic runs ``(global_start, length, step)`` in local order:
+    one or two contiguous runs (step 1), or for ``striped`` one run of step P."""
+    s = check_length(layout, S, P)
+    if layout == "striped":
+        return [(r, s, P)]
+    return [(start, n, 1) for start, n in segments(layout, s, P, r)]
+
+
+def owner(layout: str, S: int, P: int, index: torch.Tensor) -> torch.Tensor:
+    """The ring rank that holds each global token ``index`` (int64 tensor)."""
+    s = check_length(layout, S, P)
+    if layout == "striped":
+        return index % P
+    if layout == "contiguous":
+        return index // s
+    chunk = index // (s // 2)
+    return torch.where(chunk < P, chunk, 2 * P - 1 - chunk)
+
+
 @functools.lru_cache(maxsize=64)
 def _positions(layout: str, S: int, P: int, r: int) -> torch.Tensor:
     s = check_length(layout, S, P)

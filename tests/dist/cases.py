@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_close, sdpa_reference, shared_init
+from ringseq.testing import assert_shards_close, sdpa_reference, shared_init
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -19,29 +19,31 @@ def make_qkv(B, H, K, S, D, seed=0):
     return q, k, v, dout
 
 
-def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0):
+def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0, slab_rows=None):
     """ringseq's out, dq, dk, dv on this rank's shard vs the float64 full-sequence reference."""
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     ref = sdpa_reference(q, k, v, dout, causal=causal)
     plain = sdpa_reference(*(t.to(dtype) for t in (q, k, v, dout)), causal=causal)
     local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
-    out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel)
+    out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel, slab_rows=slab_rows)
     out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
-    case = f"rank {sp.rank}/{sp.size} {sp.layout} {dtype} causal={causal} B{B} H{H} K{K} S{S} D{D} {kernel}"
+    case = f"rank {sp.rank}/{sp.size} {sp.layout} {dtype} causal={causal} B{B} H{H} K{K} S{S} D{D} {kernel} slab {slab_rows}"
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
-        assert_close(got, ringseq.shard(p, 2, sp=sp), ringseq.shard(r, 2, sp=sp), f"{name} [{case}]")
+        assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
 
 
 def attention_matrix(layout, kernel=None):
-    """Every dtype x causal x head mode, head dims and batch sizes cycled, on one layout."""
+    """Every dtype x causal x head mode, head dims, batch sizes and slab sizes cycled, on one
+    layout (a slab of 5 rows makes the kernels' slab loops run several times, a partial last one)."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     heads = [(8, 8), (8, 2), (8, 1)]
     dims = itertools.cycle([32, 64, 128])
     batches = itertools.cycle([1, 2])
+    slab = itertools.cycle([None, 5])
     for dtype, causal, (H, K) in itertools.product(DTYPES.values(), (True, False), heads):
         check_attention(sp, B=next(batches), H=H, K=K, S=16 * world, D=next(dims), dtype=dtype,
-                        causal=causal, kernel=kernel, seed=H + K)
+                        causal=causal, kernel=kernel, seed=H + K, slab_rows=next(slab))
 
 
 def head_dims(layout):

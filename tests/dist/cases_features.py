@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_close, shared_init
+from ringseq.testing import assert_close, assert_shards_close, shared_init
 
 from .cases import DTYPES, make_qkv
 
@@ -37,13 +37,21 @@ def padding_mask(B, S, seed):
     return mask
 
 
+def _with_sink(vis: torch.Tensor) -> torch.Tensor:
+    """[B, S, S] visibility -> [B, S, S + 1] with the sink column visible to every query."""
+    return torch.cat([vis, torch.ones_like(vis[..., :1])], -1)
+
+
 def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, position_ids=None,
               attention_mask=None, scale=None, sdpa=False):
     """Dense attention from the definitions, in the inputs' dtype; returns (out, dq, dk, dv, dsinks).
 
     ``sdpa=True`` hands the dense mask to ``scaled_dot_product_attention`` instead of doing the
     softmax by hand: the plain same-dtype computation an unpatched model runs for masks alone
-    (transformers' sdpa path). Softcap and sinks always take the hand-written path (eager)."""
+    (transformers' sdpa path). Sinks then join as one extra key with value 0 whose additive
+    mask column holds the sink logit (exactly a sink; the sinks' own gradient still comes from
+    the hand-written path, as SDPA's fused kernels give no mask gradient). Softcap always takes
+    the hand-written path (eager), as transformers does."""
     q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
     sinks = None if sinks is None else sinks.detach().clone().requires_grad_(True)
     B, H, S, D = q.shape
@@ -62,11 +70,21 @@ def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, p
         vis &= doc[:, :, None] == doc[:, None, :]
     if attention_mask is not None:
         vis &= attention_mask.bool()[:, None, :]
-    if sdpa and softcap is None and sinks is None:
-        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=vis[:, None], scale=scale,
+    if sdpa and softcap is None:
+        mask, kk, vv = vis[:, None], k, v
+        if sinks is not None:  # the sink as a key of value 0 whose score is its logit
+            mask = torch.zeros(B, H, S, S + 1, dtype=q.dtype).masked_fill(~_with_sink(vis)[:, None], float("-inf"))
+            mask[..., -1] = sinks.detach().to(q.dtype)[None, :, None]
+            zero = q.new_zeros(B, k.size(1), 1, D)
+            kk, vv = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
                                                                enable_gqa=G > 1)
         out.backward(dout)
-        return out.detach(), q.grad, k.grad, v.grad, None
+        dsinks = None
+        if sinks is not None:
+            dsinks = reference(q, k, v, dout, causal=causal, window=window, sinks=sinks, position_ids=position_ids,
+                               attention_mask=attention_mask, scale=scale)[4]
+        return out.detach(), q.grad, k.grad, v.grad, dsinks
     s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
@@ -82,7 +100,7 @@ def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, p
 
 
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
-                   sinks=False, **features):
+                   sinks=False, slab_rows=None, **features):
     S = S_per_rank * sp.size
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     g = torch.Generator().manual_seed(seed + 7)
@@ -98,12 +116,12 @@ def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, pac
     out = ringseq.ring_attention(
         *local, sp=sp, sinks=sink_in,
         position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
-        attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), **kw)
+        attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows, **kw)
     out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
     case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} H{H} K{K} "
-            f"packed={packed} padded={padded} sinks={sinks} {features}")
+            f"packed={packed} padded={padded} sinks={sinks} slab {slab_rows} {features}")
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
-        assert_close(got, ringseq.shard(p, 2, sp=sp), ringseq.shard(r, 2, sp=sp), f"{name} [{case}]")
+        assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
     if sinks:
         # each rank's sink gradient is its share: summed over the sequence group it is the whole
         dsink = sink_in.grad.double()
@@ -128,14 +146,16 @@ FEATURES = [
 
 def feature_matrix(layout, dtype_name, ulysses_size=1):
     sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
-    for n, features in enumerate(FEATURES):
-        check_features(sp, dtype=DTYPES[dtype_name], seed=n, **features)
+    for n, features in enumerate(FEATURES):  # odd cases: slabs of 5 rows, so the kernels' slab loops run
+        check_features(sp, dtype=DTYPES[dtype_name], seed=n, slab_rows=5 if n % 2 else None, **features)
 
 
 def ulysses_heads(layout):
     """Ulysses and the hybrid on plain causal attention across head modes (K < U replicates)."""
     world = dist.get_world_size()
-    for U in [u for u in (2, 4) if world % u == 0]:
+    degrees = [u for u in (2, 4) if world % u == 0]
+    assert degrees, f"no Ulysses degree fits world {world}: run this at world 2 or 4"
+    for U in degrees:
         sp = shared_init(sp_size=world, ulysses_size=U, layout=layout)
         for K in (8, 2, 1):
             for dtype in DTYPES.values():
@@ -154,7 +174,7 @@ def refuses_features():
                           (dict(kernel="cpu_flash", softcap=2.0), "cannot apply a softcap")]:
         with pytest.raises(ringseq.RingSeqError, match=match):
             ringseq.ring_attention(q, k, k, sp=sp, **kwargs)
-    from ringseq.masks import TokenInfo
+    from ringseq.attention.masks import TokenInfo
 
     with pytest.raises(ringseq.RingSeqError, match="token_info.doc has shape"):  # batch 3, not 1
         ringseq.ring_attention(q, k, k, sp=sp, token_info=TokenInfo(doc=torch.zeros(3, 4 * world, dtype=torch.long)))
@@ -191,7 +211,8 @@ def window_skips_ring_steps():
             out = ringseq.ring_attention(*local, sp=sp, **kw)
             n_fwd = len(sent)
             out.backward(ringseq.shard(dout, 2, sp=sp))
-            if world > 1:
-                assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
+            if world == 1:  # a ring of one never transfers
+                fwd_hops = bwd_hops = 0
+            assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
     finally:
         dist.batch_isend_irecv = real

@@ -18,8 +18,9 @@ def test_features_under_hybrid(pool4, layout):
 
 
 @pytest.mark.parametrize("layout", ["zigzag", "striped"])
-def test_ulysses_and_hybrid_heads(pool, layout):
-    pool.run(cases.ulysses_heads, layout)
+def test_ulysses_and_hybrid_heads(pool2, pool4, layout):
+    pool2.run(cases.ulysses_heads, layout)  # Ulysses 2
+    pool4.run(cases.ulysses_heads, layout)  # hybrid 2 x 2 and Ulysses 4
 
 
 def test_unsupported_features_are_refused(pool):

@@ -5,6 +5,9 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+# fp32 attention is within ~1e-7 of float64; 1e-5 only says a benchmark computed attention and not
+# something else (exactness itself is tested in tests/dist)
+SANE = 1e-5
 
 
 def bench(script, *args, out):
@@ -18,7 +21,7 @@ def test_attention_benchmark(tmp_path):
     records = bench("attention.py", "--lengths", "1024", "--kv-heads", "2", "--reps", "1", "--impls", "ringseq",
                     "torch_ring", "ulysses", "sdpa", out=tmp_path)
     assert [r["impl"] for r in records] == ["ringseq", "torch_ring", "ulysses", "sdpa"]
-    assert all(r["max_err"] < 1e-5 and r["fwd_bwd_ms"] > 0 and r["peak_mb"] >= 0 for r in records)
+    assert all(r["max_err"] < SANE and r["fwd_bwd_ms"] > 0 and r["peak_mb"] >= 0 for r in records)
     assert (tmp_path / "attention.png").exists() and (tmp_path / "attention.jsonl").exists()
 
 
@@ -26,11 +29,19 @@ def test_modes_benchmark(tmp_path):
     records = bench("modes.py", "modes", "--modes-n", "512", "--reps", "1", out=tmp_path)
     assert [(r["kv_heads"], r["ulysses_size"], r["ring_steps"]) for r in records] == \
         [(8, 1, 4), (8, 2, 2), (8, 4, 1), (4, 1, 4), (4, 2, 2), (4, 4, 1)]
-    assert all(r["max_err"] < 1e-5 for r in records) and (tmp_path / "modes.png").exists()
+    assert all(r["max_err"] < SANE for r in records) and (tmp_path / "modes.png").exists()
 
 
 def test_model_memory_benchmark(tmp_path):
     records = bench("model_memory.py", "--lengths", "256", "--sizes", "1", "2", out=tmp_path)
     assert [r["P"] for r in records] == [1, 2]
-    assert abs(records[0]["loss"] - records[1]["loss"]) < 1e-5
+    assert abs(records[0]["loss"] - records[1]["loss"]) < SANE
     assert (tmp_path / "model_memory.png").exists()
+
+
+def test_schedule_benchmark(tmp_path):
+    one = bench("schedule.py", "--P", "16", "--S", "65536", "--docs", "100", "--reps", "1", out=tmp_path)
+    assert len(one) == 1 and one[0]["P"] == 16 and one[0]["plan_ms"] > 0
+    sweep = bench("schedule.py", "--P", "2", "4", "--docs", "1", "10", "--reps", "1", out=tmp_path)
+    assert {(r["P"], r["docs"]) for r in sweep} == {(2, 1), (2, 10), (4, 1), (4, 10)}
+    assert (tmp_path / "schedule.png").exists() and (tmp_path / "schedule.jsonl").exists()

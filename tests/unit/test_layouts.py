@@ -4,7 +4,7 @@ import torch
 
 from ringseq import LAYOUTS, RingSeqError
 from ringseq.layouts import check_length, gather_order, global_positions
-from ringseq.plan import block_plan
+from ringseq.attention.schedule import block_plan
 from ringseq.sharding import shard_tensor
 
 

@@ -1,58 +1,18 @@
-"""``ringseq.ring_attention``: exact softmax attention over a sequence split across ranks."""
+"""``ringseq.ring_attention`` and ``ringseq.token_info``: exact softmax attention over a sequence
+split across ranks (checks, then the ring, or Ulysses/hybrid around the ring)."""
 from __future__ import annotations
 
 import math
 
 import torch
 
-from .errors import RingSeqError
-from .layouts import multiple
+from ringseq.errors import RingSeqError
+from ringseq.sharding import gather
+
+from .checks import check_features, check_shapes, check_token_info
 from .masks import TokenInfo, documents
 from .ring import RingAttention, RingOptions
-from .sharding import gather
 from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
-
-
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise RingSeqError(f"q, k, v must be 4-D [B, heads, s, D]; got shapes {tuple(q.shape)}, "
-                           f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise RingSeqError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
-    (B, H, s, D), (Bk, K, sk, Dk) = q.shape, k.shape
-    if (B, s, D) != (Bk, sk, Dk):
-        raise RingSeqError(f"q [B,H,s,D]={tuple(q.shape)} and k/v [B,K,s,D]={tuple(k.shape)} must agree "
-                           f"on batch, local length and head dim")
-    if K == 0 or H % K:
-        raise RingSeqError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA/MQA)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if (s * sp.size) % multiple(sp.layout, sp.ring_size, sp.ulysses_size):
-        raise RingSeqError(f"local length {s} cannot come from layout {sp.layout!r} over "
-                           f"{sp.size} ranks: shard the sequence with ringseq.shard")
-
-
-def _check_features(q, causal, window, softcap, sinks) -> None:
-    if window is not None:
-        if not causal:
-            raise RingSeqError("window (sliding-window attention) is defined for causal attention "
-                               "only (query i sees key j when 0 <= i - j < window); pass causal=True")
-        if int(window) != window or window < 1:
-            raise RingSeqError(f"window must be a positive integer, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise RingSeqError(f"softcap must be a positive number, got {softcap!r}")
-    if sinks is not None and tuple(sinks.shape) != (q.size(1),):
-        raise RingSeqError(f"sinks must hold one logit per query head, shape [{q.size(1)}]; "
-                           f"got {tuple(sinks.shape)}")
-
-
-def _check_token_info(info: TokenInfo, B: int, S: int) -> None:
-    for name in ("doc", "valid"):
-        value = getattr(info, name)
-        if value is not None and (value.dim() != 2 or value.size(1) != S or value.size(0) not in (1, B)):
-            raise RingSeqError(f"token_info.{name} has shape {tuple(value.shape)} but the sequence group holds "
-                               f"batch {B} x {S} tokens; build it with ringseq.token_info from this batch's "
-                               f"position_ids/attention_mask shards")
 
 
 def token_info(sp, position_ids: torch.Tensor | None = None,
@@ -81,7 +41,7 @@ def token_info(sp, position_ids: torch.Tensor | None = None,
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, causal: bool = True,
                    scale: float | None = None, position_ids=None, window=None, softcap=None,
                    sinks=None, attention_mask=None, token_info: TokenInfo | None = None,
-                   kernel: str | None = None) -> torch.Tensor:
+                   kernel: str | None = None, slab_rows: int | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole (global) sequence.
 
     q [B,H,s,D], k/v [B,K,s,D] (H % K == 0; K/V cross the wire at K heads), each this rank's
@@ -97,20 +57,23 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     token_info    documents and padding prebuilt by ``ringseq.token_info`` (instead of the two
                   above; saves their all-gather when many layers share them).
     kernel        force a block backend (``cpu_flash``, ``cuda_flash``, ``torch``); by default
-                  the fastest one that can apply the features asked for.
+                  the fastest one that applies, chosen per call. A forced kernel is refused only
+                  for a call it cannot compute (a mask or softcap it does not take).
+    slab_rows     query rows per kernel slab (bounds masks and scores to slab_rows x keys);
+                  None: each backend's default.
     """
-    _check_shapes(q, k, v, sp)
-    _check_features(q, causal, window, softcap, sinks)
+    check_shapes(q, k, v, sp)
+    check_features(q, causal, window, softcap, sinks)
     if token_info is None:
         token_info = _token_info_or_none(sp, position_ids, attention_mask)
     elif position_ids is not None or attention_mask is not None:
         raise RingSeqError("pass either token_info or position_ids/attention_mask, not both")
-    _check_token_info(token_info, q.size(0), q.size(2) * sp.size)
+    check_token_info(token_info, q.size(0), q.size(2) * sp.size)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
     opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
-                       softcap=None if softcap is None else float(softcap), info=token_info)
+                       softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows)
     U = sp.ulysses_size
     if U == 1:
         return RingAttention.apply(q, k, v, sinks, opts)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .errors import RingSeqError
+from ringseq.errors import RingSeqError
 
 
 def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:

@@ -4,8 +4,10 @@ Shapes (``ringseq.shapes``): q [B,H,s,D], k/v [B,K,s,D], out [B,H,s,D], lse fp32
 
 Forward, at step t = 0..T-1, rank r holds the K/V block of rank j = (r - t) mod P. It posts
 the transfer of that block to rank r+1, computes the calls the schedule lists for (r, j)
-(``ringseq.masks.ring_schedule``: hidden blocks skipped, masks only where needed), merges the
-partial outputs into an fp32 (fp64 for fp64 inputs) accumulator by log-sum-exp, then waits.
+(``ringseq.attention.schedule.rank_schedule``: hidden blocks skipped, masks only where
+needed), merges the partial outputs into an fp32 (fp64 for fp64 inputs) accumulator by
+log-sum-exp, then waits. The log-sum-exp itself is kept in fp64 ([B,H,s]: free), so that the
+backward's exp(score - lse) is as accurate as a plain softmax.
 T is P for plain causal attention; windows and documents can make it as small as 1.
 
 Backward runs the same ring with the merged ``out``/``lse``. The dK/dV of block j travel with
@@ -25,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from .comm import RingComm
-from .kernels import _acc_dtype, select
-from .layouts import global_positions
-from .masks import RowMask, TokenInfo, ring_schedule
+from .kernels import BlockSpec, select
+from .kernels.common import LSE, acc_dtype
+from .masks import RowMask, TokenInfo
+from .schedule import rank_schedule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +47,8 @@ class RingOptions:
     window: int | None = None
     softcap: float | None = None
     info: TokenInfo = dataclasses.field(default_factory=TokenInfo)
+    slab_rows: int | None = None
+    """Query rows per kernel slab (None: each backend's default)."""
 
     @property
     def P(self) -> int:
@@ -51,28 +56,28 @@ class RingOptions:
 
 
 class _Schedule:
-    """This rank's view of the ring schedule: calls per step, kernels, masks."""
+    """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
 
     def __init__(self, q, opts: RingOptions):
         B, _, s, _ = q.shape
         self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
-        plans, self.steps = ring_schedule(opts.layout, self.S, opts.P, opts.causal, opts.info, opts.window)
-        self.plan = plans[opts.r]
+        plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
+        self.steps, self.plan = plan.steps, plan.calls
         capped = opts.softcap is not None
-        self.kernels = {m: select(q, opts.kernel, masked=m, softcap=capped) for m in (False, True)}
+        # one backend per kind of call, chosen (or a forced one checked) only for calls that occur
+        kinds = {pc.masked for step in self.plan for pc in step}
+        self.kernels = {m: select(q, opts.kernel, masked=m, softcap=capped) for m in kinds}
         self.comm = RingComm(opts.group, opts.ranks, opts.r) if self.steps > 1 else None
 
     def calls(self, t: int):
-        """(call, kernel, mask) for ring step t."""
+        """(call, kernel, spec) for ring step t."""
         o = self.opts
-        j = (o.r - t) % o.P
-        for mc in self.plan[t]:
+        for pc in self.plan[t]:
             mask = None
-            if mc.masked:
-                qpos = global_positions(o.layout, self.S, o.P, o.r)[mc.call.q_rows]
-                kpos = global_positions(o.layout, self.S, o.P, j)[mc.call.k_rows]
-                mask = RowMask(qpos, kpos, o.info, o.window, o.causal, self.B, self.device)
-            yield mc.call, self.kernels[mc.masked], mask
+            if pc.masked:
+                mask = RowMask(pc.q, pc.k, o.info, o.window, o.causal, self.B, self.device)
+            spec = BlockSpec(causal=pc.call.causal, scale=o.scale, softcap=o.softcap, mask=mask, rows=o.slab_rows)
+            yield pc.call, self.kernels[pc.masked], spec
 
 
 def _merge(out_acc, lse_acc, rows: slice, o, l):
@@ -82,7 +87,7 @@ def _merge(out_acc, lse_acc, rows: slice, o, l):
     w_old = torch.exp(old - new).nan_to_num_(0.0).unsqueeze(-1)  # nan only where both are -inf
     w_new = torch.exp(l - new).nan_to_num_(0.0).unsqueeze(-1)
     acc = out_acc[..., rows, :]
-    acc.mul_(w_old).addcmul_(o.to(acc.dtype), w_new.to(acc.dtype))
+    acc.mul_(w_old.to(acc.dtype)).addcmul_(o.to(acc.dtype), w_new.to(acc.dtype))
     lse_acc[..., rows] = new
 
 
@@ -91,32 +96,31 @@ def _empty_if_none(out_acc, lse_acc, shape, dtype, device):
     if out_acc is not None:
         return out_acc, lse_acc
     return (torch.zeros(shape, dtype=dtype, device=device),
-            torch.full(shape[:-1], float("-inf"), dtype=dtype, device=device))
+            torch.full(shape[:-1], float("-inf"), dtype=LSE, device=device))
 
 
 def _fold_sinks(out, lse, sinks):
     """Add exp(sink[h]) to every softmax denominator of head h, in place."""
     sink = sinks.to(lse.dtype)[None, :, None]
     new = torch.logaddexp(lse, sink)
-    out.mul_(torch.exp(lse - new).unsqueeze(-1))
+    out.mul_(torch.exp(lse - new).unsqueeze(-1).to(out.dtype))
     lse.copy_(new)
 
 
 def ring_forward(q, k, v, sinks, opts: RingOptions):
-    """Return (out in q dtype, lse [B,H,s] in the accumulation dtype, aux for the backward kernel)."""
+    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel)."""
     sched = _Schedule(q, opts)
     B, H, s, D = q.shape
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
     kv = (k.contiguous(), v.contiguous())
     for t in range(sched.steps):
         pending = sched.comm.post(list(kv)) if t < sched.steps - 1 else None
-        for call, kernel, mask in sched.calls(t):
-            o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows],
-                                     call.causal, opts.scale, mask, opts.softcap)
+        for call, kernel, spec in sched.calls(t):
+            o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows], spec)
             aux = aux if aux is not None else a
             if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
-                out_acc, lse_acc = o.to(acc), l.to(acc)
+                out_acc, lse_acc = o.to(acc), l.to(LSE)
                 continue
             out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
             _merge(out_acc, lse_acc, call.q_rows, o, l)
@@ -131,7 +135,7 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
 def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
     sched = _Schedule(q, opts)
-    acc = _acc_dtype(q)
+    acc = acc_dtype(q)
     dout = dout.contiguous()
     # A row that sees no key at all (lse -inf) has output 0 and passes no gradient; +inf
     # makes every exp(score - lse) of that row exactly 0 instead of nan.
@@ -143,11 +147,10 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
         pending_kv = None if last else sched.comm.post(list(kv))
         dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
-        for call, kernel, mask in sched.calls(t):
+        for call, kernel, spec in sched.calls(t):
             qr, kr = call.q_rows, call.k_rows
             gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                                         out[:, :, qr], lse_b[:, :, qr], aux, call.causal, opts.scale,
-                                         mask, opts.softcap)
+                                         out[:, :, qr], lse_b[:, :, qr], aux, spec)
             dq[:, :, qr] += gq
             dk[:, :, kr] += gk
             dv[:, :, kr] += gv
