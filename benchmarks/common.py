@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ringseq.testing import free_port
+from ringseq.processes import free_port
 
 BLOCK = 256  # inputs are generated in blocks of this many tokens, each from its own seed
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")

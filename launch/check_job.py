@@ -139,6 +139,6 @@ def report(row: dict, ok: bool) -> None:
 
 
 if __name__ == "__main__":
-    from ringseq.testing import exit_now
+    from ringseq.processes import exit_now
 
     exit_now(main())

@@ -24,7 +24,45 @@ import torch
 
 from ringseq.config import from_ds_config
 from ringseq.errors import RingSeqError
-from ringseq.topology import join_deepspeed_comm
+
+
+def join_deepspeed_comm() -> None:
+    """Let DeepSpeed's comm layer wrap the existing process group, where DeepSpeed is used
+    (``ringseq.initialize``, the Trainer or Accelerate with DeepSpeed, ZeRO-3 ``from_pretrained``).
+
+    ZeRO-3's ``zero.Init`` reads the data-parallel size through the comm layer before it
+    initialises it, and silently assumes one process when it is not yet initialised. On CPU,
+    joining also starts DeepSpeed's shared-memory all-reduce (a compiled op; its first build
+    takes a minute), which is why the core never does this.
+    """
+    import deepspeed.comm as ds_comm
+    import torch.distributed as dist
+
+    if not ds_comm.is_initialized():
+        ds_comm.init_distributed(dist_backend=dist.get_backend())
+    _release_shm_name()
+
+
+def _release_shm_name() -> None:
+    """Remove the name of this rank's DeepSpeed shared-memory buffer; the buffer stays mapped.
+
+    On CPU, DeepSpeed's comm layer (0.19.8) maps one ~69 MB buffer per rank under /dev/shm,
+    named by user, MASTER_ADDR, MASTER_PORT and rank, and never unlinks it: every run left its
+    buffers behind in RAM (hundreds after a day of tests). Peers open a rank's buffer by name
+    only while the comm layer initialises; past this barrier every rank has, so the names can
+    go and the memory is freed when the last process exits. Each rank finds its own name (every
+    rank's comm layer made one, or none did: on GPU there is none), so all ranks agree on
+    whether to meet at the barrier.
+    """
+    import os
+
+    import torch.distributed as dist
+
+    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
+            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
+    if os.path.exists(name):
+        dist.barrier()
+        os.unlink(name)
 
 
 def load_ds_config(config) -> dict:

@@ -125,6 +125,6 @@ def main(argv=None) -> None:
 
 if __name__ == "__main__":
     main()
-    from ringseq.testing import exit_now
+    from ringseq.processes import exit_now
 
     exit_now(0)  # no interpreter teardown (see exit_now)

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 from ringseq.config import ENV, RingSeqConfig
-from ringseq.errors import RingSeqError
-from ringseq.testing import free_port
+from ringseq.processes import free_port
 
 LAUNCHERS = ("torchrun", "deepspeed", "accelerate")
 
@@ -61,9 +60,7 @@ def environment(config: RingSeqConfig) -> dict:
 
 def run(args) -> int:
     config = RingSeqConfig(sp_size=args.sp or args.nproc, ulysses_size=args.ulysses, layout=args.layout)
-    if args.nproc % config.sp_size:
-        raise RingSeqError(f"world {args.nproc} is not data N x sequence {config.sp_size} for any whole N: "
-                           f"--sp must divide --nproc")
+    config.check_world(args.nproc)
     cmd = command(args.launcher, args.nproc, args.script, args.args, module=args.module)
     print("ringseq launch:", " ".join(cmd), file=sys.stderr, flush=True)
     return subprocess.call(cmd, env=environment(config))

@@ -1,9 +1,10 @@
 """ringseq's configuration: one frozen dataclass, read from code, the environment or a ds_config.
 
-Environment variables are read here and nowhere else (``from_env``): ``RINGSEQ_SP_SIZE``,
-``RINGSEQ_ULYSSES_SIZE``, ``RINGSEQ_LAYOUT``. ``ringseq launch`` sets them for the processes
-it starts. A DeepSpeed config may carry the same settings in a ``"ringseq"`` section
-(``from_ds_config``).
+This is the one place where settings are validated (``RingSeqConfig.__post_init__`` and, once
+the world size is known, ``check_world``) and where environment variables are read
+(``from_env``): ``RINGSEQ_SP_SIZE``, ``RINGSEQ_ULYSSES_SIZE``, ``RINGSEQ_LAYOUT``,
+``RINGSEQ_TIMEOUT``. ``ringseq launch`` sets them for the processes it starts. A DeepSpeed
+config may carry the same settings in a ``"ringseq"`` section (``from_ds_config``).
 """
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import os
 from .errors import RingSeqError
 from .layouts import LAYOUTS
 
-ENV = {"sp_size": "RINGSEQ_SP_SIZE", "ulysses_size": "RINGSEQ_ULYSSES_SIZE", "layout": "RINGSEQ_LAYOUT"}
+ENV = {"sp_size": "RINGSEQ_SP_SIZE", "ulysses_size": "RINGSEQ_ULYSSES_SIZE", "layout": "RINGSEQ_LAYOUT",
+       "timeout": "RINGSEQ_TIMEOUT"}
+DEFAULT_TIMEOUT = 600.0  # seconds; a ring step of a healthy job takes far less than this
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -25,6 +28,9 @@ class RingSeqConfig:
     """Ranks inside each sequence group that split heads by all-to-all; must divide sp_size."""
     layout: str = "zigzag"
     """Token layout over the ring: zigzag (balanced causal work), striped or contiguous."""
+    timeout: float | None = None
+    """Seconds any ringseq wait (a ring transfer, its all-gathers) may take before it raises
+    RingSeqError. None: RINGSEQ_TIMEOUT, else 600."""
 
     def __post_init__(self):
         for name in ("sp_size", "ulysses_size"):
@@ -34,9 +40,24 @@ class RingSeqConfig:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise RingSeqError(f"ringseq {name} must be a positive integer, got {value!r}")
         if self.sp_size is not None and self.sp_size % self.ulysses_size:
-            raise RingSeqError(f"ringseq ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
+            raise RingSeqError(f"sequence group {self.sp_size} is not ring N x ulysses {self.ulysses_size} for any "
+                               f"whole N: ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
         if self.layout not in LAYOUTS:
             raise RingSeqError(f"ringseq layout {self.layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
+        if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
+                                         or not self.timeout > 0):
+            raise RingSeqError(f"ringseq timeout must be a positive number of seconds, got {self.timeout!r}")
+
+    def check_world(self, world: int) -> None:
+        """Refuse a world that is not data x ring x ulysses, with the whole equation."""
+        sp, uly = self.sp_size or world, self.ulysses_size
+        if world % sp:
+            raise RingSeqError(f"world {world} is not data N x ring {sp // uly} x ulysses {uly} for any whole N: "
+                               f"sp_size {sp} must divide the world size; launch a multiple of {sp} processes "
+                               f"(or choose an sp_size that divides {world})")
+
+    def resolved_timeout(self) -> float:
+        return float(self.timeout) if self.timeout is not None else (from_env().timeout or DEFAULT_TIMEOUT)
 
     def check_matches(self, sp) -> None:
         """Refuse a ``SequenceParallel`` that these settings (a ds_config section) contradict."""
@@ -48,10 +69,12 @@ class RingSeqConfig:
         """``ringseq.init`` with these settings (sp_size None: the whole world)."""
         import torch.distributed as dist
 
-        from .topology import _ensure_process_group, init
+        from .process_group import ensure_process_group
+        from .topology import init
 
-        _ensure_process_group(kwargs.get("backend"))
+        ensure_process_group(kwargs.get("backend"))
         sp_size = dist.get_world_size() if self.sp_size is None else self.sp_size
+        kwargs.setdefault("timeout", self.timeout)
         return init(sp_size=sp_size, ulysses_size=self.ulysses_size, layout=self.layout, **kwargs)
 
 
@@ -64,11 +87,12 @@ def from_env(environ=None) -> RingSeqConfig:
             raw = environ[var]
             if field == "layout":
                 values[field] = raw
-            else:
-                try:
-                    values[field] = int(raw)
-                except ValueError:
-                    raise RingSeqError(f"{var}={raw!r} is not an integer") from None
+                continue
+            try:
+                values[field] = float(raw) if field == "timeout" else int(raw)
+            except ValueError:
+                kind = "a number" if field == "timeout" else "an integer"
+                raise RingSeqError(f"{var}={raw!r} is not {kind}") from None
     return RingSeqConfig(**values)
 
 

@@ -1,21 +1,22 @@
-"""Process groups for sequence parallelism, carved once from a named DeepSpeed topology.
+"""Process groups for sequence parallelism, carved once from a named grid of the world.
 
-The world is a grid ``data x ring x ulysses`` (DeepSpeed ``ProcessTopology``; the last axis
-varies fastest), so the ranks of one sequence group are adjacent and a ring stays inside a
-node whenever the sequence group fits in one. Every rank builds every group in the same order,
+The world is a grid ``data x ring x ulysses`` laid out row-major (the last axis varies
+fastest), exactly as DeepSpeed's ``ProcessTopology(axes=["data", "ring", "ulysses"])`` lays it
+out (tests/unit compares the two), so the ranks of one sequence group are adjacent and a ring
+stays inside a node whenever the sequence group fits in one. The grid is a tensor of ranks, so
+the core needs no DeepSpeed import (DeepSpeed's comm layer is joined only where DeepSpeed is
+used, in ``ringseq.launch.deepspeed_glue``). Every rank builds every group in the same order,
 as torch.distributed requires.
 """
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 
 import torch
 import torch.distributed as dist
 
-from .errors import RingSeqError
-from .layouts import check_layout
+from .config import RingSeqConfig
+from .process_group import ensure_process_group
 
 AXES = ("data", "ring", "ulysses")
 
@@ -56,75 +57,27 @@ class SequenceParallel:
     grad_group: dist.ProcessGroup
     """All ranks that hold a replica of the weights (sequence x data): gradients are summed
     over it and divided by ``dp_size``."""
+    timeout: float
+    """Seconds any ringseq wait may take before it raises ``RingSeqError``."""
     mpu: object
     """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def grid(world: int, sp_size: int, ulysses_size: int) -> torch.Tensor:
+    """[data, ring, ulysses] tensor of global ranks, row-major (the last axis fastest)."""
+    return torch.arange(world).reshape(world // sp_size, sp_size // ulysses_size, ulysses_size)
 
 
-def _ensure_process_group(backend: str | None) -> None:
-    """Join the launcher's process group, or make a one-process world when there is none."""
-    if dist.is_initialized():
-        return
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if "WORLD_SIZE" in os.environ:  # set by torchrun, deepspeed and accelerate launchers
-        dist.init_process_group(backend)
-    else:
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
-                                rank=0, world_size=1)
+def axis_lists(ranks: torch.Tensor, axis: str) -> list[list[int]]:
+    """Rank lists along ``axis`` (the other coordinates fixed), in DeepSpeed's order."""
+    dim = AXES.index(axis)
+    moved = ranks.movedim(dim, -1)
+    return moved.reshape(-1, moved.size(-1)).tolist()
 
 
-def join_deepspeed_comm() -> None:
-    """Let DeepSpeed's comm layer wrap the process group now. ZeRO-3's ``zero.Init`` (which
-    transformers' ``from_pretrained`` enters under a ZeRO-3 config) reads the data-parallel size
-    through it and, when it is not initialised, silently assumes one process."""
-    import deepspeed.comm as ds_comm
-
-    if not ds_comm.is_initialized():
-        ds_comm.init_distributed(dist_backend=dist.get_backend())
-    _release_shm_name()
-
-
-def _release_shm_name() -> None:
-    """Remove the name of this rank's DeepSpeed shared-memory buffer; the buffer stays mapped.
-
-    On CPU, DeepSpeed's comm layer (0.19.8) maps one ~69 MB buffer per rank under /dev/shm,
-    named by user, MASTER_ADDR, MASTER_PORT and rank, and never unlinks it: every run left its
-    buffers behind in RAM (hundreds after a day of tests). Peers open a rank's buffer by name
-    only while the comm layer initialises; past this barrier every rank has, so the names can
-    go and the memory is freed when the last process exits.
-    """
-    dist.barrier()
-    name = (f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_{os.environ.get('MASTER_ADDR', '')}_"
-            f"{os.environ.get('MASTER_PORT', '')}_{dist.get_rank()}")
-    try:
-        os.unlink(name)
-    except FileNotFoundError:
-        pass
-
-
-def _size_equation(world: int, sp_size: int, ulysses_size: int) -> str:
-    ring = f"{sp_size // ulysses_size}" if sp_size % ulysses_size == 0 else f"{sp_size}/{ulysses_size}"
-    data = f"{world // sp_size}" if world % sp_size == 0 else "N"
-    tail = "" if data != "N" else " for any whole N"
-    return f"world {world} is not data {data} x ring {ring} x ulysses {ulysses_size}{tail}"
-
-
-def _check_sizes(world: int, sp_size: int, ulysses_size: int) -> None:
-    if not isinstance(sp_size, int) or sp_size < 1:
-        raise RingSeqError(f"sp_size must be a positive integer, got {sp_size!r}")
-    if not isinstance(ulysses_size, int) or ulysses_size < 1:
-        raise RingSeqError(f"ulysses_size must be a positive integer, got {ulysses_size!r}")
-    if sp_size % ulysses_size:
-        raise RingSeqError(f"{_size_equation(world, sp_size, ulysses_size)}: ulysses_size "
-                           f"{ulysses_size} must divide sp_size {sp_size}")
-    if world % sp_size:
-        raise RingSeqError(f"{_size_equation(world, sp_size, ulysses_size)}: sp_size {sp_size} must "
-                           f"divide the world size; launch a multiple of {sp_size} processes")
+def sequence_lists(ranks: torch.Tensor) -> list[list[int]]:
+    """One list per data index: the ring x ulysses ranks that hold one sequence."""
+    return ranks.reshape(ranks.size(0), -1).tolist()
 
 
 def _group(ranks, made: dict):
@@ -152,50 +105,40 @@ def _build_groups(lists: list[list[int]], me: int, made: dict):
     return mine
 
 
-def _axis_lists(topo, axis: str, me: int) -> list[list[int]]:
-    """Rank lists along ``axis``; an axis of size 1 gives each rank a group of its own."""
-    lists = topo.get_axis_comm_lists(axis)
-    return lists if lists else [[r] for r in range(dist.get_world_size())]
-
-
-def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *,
+def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *, timeout: float | None = None,
          backend: str | None = None) -> SequenceParallel:
     """Carve the world into sequence groups and return this rank's ``SequenceParallel``.
 
     ``sp_size`` ranks hold one sequence: ``sp_size / ulysses_size`` of them form a ring, and
     inside each ring position ``ulysses_size`` adjacent ranks split heads by all-to-all.
-    The remaining factor, ``world / sp_size``, is data parallelism. Joins the launcher's
-    process group (torchrun, deepspeed, accelerate), or starts a one-process world.
+    The remaining factor, ``world / sp_size``, is data parallelism. ``timeout``: seconds any
+    ringseq wait may take before it raises ``RingSeqError`` (None: ``RINGSEQ_TIMEOUT``, else
+    600). Joins the launcher's process group (torchrun, deepspeed, accelerate; on CUDA after
+    binding ``LOCAL_RANK``'s GPU), or starts a one-process world.
     """
-    from deepspeed.runtime.pipe.topology import ProcessTopology
-
     from .mpu import SequenceParallelMPU
 
-    check_layout(layout)
-    _ensure_process_group(backend)
-    join_deepspeed_comm()
+    config = RingSeqConfig(sp_size=sp_size, ulysses_size=ulysses_size, layout=layout, timeout=timeout)
+    ensure_process_group(backend)
     world, me = dist.get_world_size(), dist.get_rank()
-    _check_sizes(world, sp_size, ulysses_size)
-    dims = [world // sp_size, sp_size // ulysses_size, ulysses_size]
-    topo = ProcessTopology(axes=list(AXES), dims=dims)
+    config.check_world(world)
+    ranks = grid(world, sp_size, ulysses_size)
+    coord = [int(c) for c in (ranks == me).nonzero()[0]]
 
     made: dict = {}
-    seq_lists = [topo.filter_match(data=d) for d in range(dims[0])]
-    group, ranks = _build_groups(seq_lists, me, made)
-    dp_group, dp_ranks = _build_groups(_axis_lists(topo, "data", me), me, made)
-    ring_group, ring_ranks = _build_groups(_axis_lists(topo, "ring", me), me, made)
+    group, seq_ranks = _build_groups(sequence_lists(ranks), me, made)
+    dp_group, dp_ranks = _build_groups(axis_lists(ranks, "data"), me, made)
+    ring_group, ring_ranks = _build_groups(axis_lists(ranks, "ring"), me, made)
     if ulysses_size > 1:
-        ulysses_group, uly_ranks = _build_groups(_axis_lists(topo, "ulysses", me), me, made)
+        ulysses_group, uly_ranks = _build_groups(axis_lists(ranks, "ulysses"), me, made)
     else:
         ulysses_group, uly_ranks = None, (me,)
-    grad_group = dist.group.WORLD
-    coord = topo.get_coord(me)
     fields = dict(
-        group=group, rank=ranks.index(me), size=sp_size, ranks=ranks,
-        dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=dims[0], layout=layout,
-        ring_group=ring_group, ring_rank=coord.ring, ring_size=dims[1], ring_ranks=ring_ranks,
+        group=group, rank=seq_ranks.index(me), size=sp_size, ranks=seq_ranks,
+        dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=ranks.size(0), layout=layout,
+        ring_group=ring_group, ring_rank=coord[1], ring_size=ranks.size(1), ring_ranks=ring_ranks,
         ulysses_group=ulysses_group, ulysses_rank=uly_ranks.index(me), ulysses_size=ulysses_size,
-        grad_group=grad_group)
+        grad_group=dist.group.WORLD, timeout=config.resolved_timeout())
     mpu = SequenceParallelMPU(**{k: fields[k] for k in (
         "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
     return SequenceParallel(**fields, mpu=mpu)

@@ -29,9 +29,18 @@ def test_launch_runs_the_example(launcher):
     assert "step 4" in run.stdout
 
 
+def test_init_under_torchrun_imports_no_training_library():
+    from ringseq.processes import free_port
+
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
+                          "127.0.0.1", "--master_port", str(free_port()), "tests/integration/core_only.py"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.count("core only") == 2, run.stdout[-2000:] + run.stderr[-3000:]
+
+
 def test_launch_refuses_sp_not_dividing_the_processes():
     run = ringseq_cmd("launch", "--sp", "3", "--nproc", "2", "examples/torchrun_loop.py")
-    assert run.returncode == 2 and "--sp must divide --nproc" in run.stderr
+    assert run.returncode == 2 and "world 2 is not data N x ring 3 x ulysses 1" in run.stderr, run.stderr
 
 
 def test_env_reports_kernels():
@@ -41,7 +50,7 @@ def test_env_reports_kernels():
 
 def deepspeed_step(nproc, *args, expect="parameters match", also=None):
     exe = Path(sys.executable).with_name("deepspeed")
-    from ringseq.testing import free_port
+    from ringseq.processes import free_port
 
     port = free_port()
     run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(port),
@@ -55,9 +64,9 @@ def deepspeed_step(nproc, *args, expect="parameters match", also=None):
     assert also is None or out.count(also) == nproc, out[-4000:]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_deepspeed_step_equals_single_process(stage):
-    deepspeed_step(2, "--stage", str(stage))
+@pytest.mark.parametrize("stage,clip", [(0, "0"), (1, "1.0"), (2, "1.0"), (3, "0")])
+def test_deepspeed_step_equals_single_process(stage, clip):
+    deepspeed_step(2, "--stage", str(stage), "--clip", clip)
 
 
 def test_deepspeed_ds_config_section():
@@ -70,7 +79,7 @@ def test_shipped_ds_configs(name):
 
 
 def test_shipped_accelerate_config():
-    from ringseq.testing import free_port
+    from ringseq.processes import free_port
 
     run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                           "launch/configs/accelerate_cpu.yaml", "--main_process_port", str(free_port()),

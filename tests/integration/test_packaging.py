@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 PROBE = """
 import importlib.util, sys
-import ringseq, ringseq.patches, ringseq.launch, ringseq.launch.cli
+import ringseq, ringseq.patches, ringseq.launch, ringseq.launch.cli, ringseq.attention.kernels.select
 assert importlib.util.find_spec("patches") is None, "a top-level 'patches' is importable"
 assert importlib.util.find_spec("launch") is None, "a top-level 'launch' is importable"
 print(ringseq.__file__); print(ringseq.patches.__file__)
@@ -41,6 +41,7 @@ def test_wheel_install(tmp_path):
     tops = {n.split("/")[0] for n in names}
     assert tops == {"ringseq", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert "ringseq/patches/__init__.py" in names and "ringseq/launch/cli.py" in names
+    assert "ringseq/attention/ring.py" in names and "ringseq/attention/kernels/select.py" in names
     assert "ringseq/launch/configs/ds_zero2.json" in names
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
