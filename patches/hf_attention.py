@@ -18,6 +18,15 @@ from ringseq.errors import RingSeqError
 
 from .documents import probe_mask_call
 
+# Keyword arguments transformers (5.x) hands every attention function that ringseq may ignore:
+# the layer's position ids (this rank's shard; the rotary embedding has used them and the
+# documents are in ``ringseq``), caching flags (a patched model never caches) and output flags
+# that attention does not read.
+IGNORED = frozenset({"position_ids", "cache_position", "output_hidden_states", "num_items_in_batch",
+                     "output_router_logits", "return_dict"})
+# Arguments that are fine only with these values.
+ALLOWED_VALUES = {"use_cache": (False, None), "output_attentions": (False, None), "is_causal": (True, None)}
+
 
 def mask_function(*args, use_vmap: bool = False, **kwargs):
     probe_mask_call(kwargs)
@@ -30,8 +39,22 @@ def mask_function(*args, use_vmap: bool = False, **kwargs):
     return None
 
 
+def _check_kwargs(kwargs: dict) -> None:
+    """Refuse every argument ringseq would otherwise silently not apply."""
+    for name, allowed in ALLOWED_VALUES.items():
+        if kwargs.get(name) not in allowed:
+            raise RingSeqError(f"attention got {name}={kwargs[name]!r}, which ringseq does not reproduce (it computes "
+                               f"causal attention without a cache or attention weights); leave {name} unset")
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED and k not in ALLOWED_VALUES)
+    if unknown:
+        raise RingSeqError(f"attention got arguments ringseq does not read: {', '.join(unknown)} (e.g. flash-attention "
+                           f"packing metadata or a position bias); ringseq reads packed documents from position_ids "
+                           f"and supports causal, window, softcap and sink attention only")
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       sliding_window=None, softcap=None, s_aux=None, ringseq=None, **kwargs):
+    _check_kwargs(kwargs)
     if ringseq is None:
         raise RingSeqError("attn_implementation='ringseq' needs the model patched with ringseq.patch(model, sp=sp), "
                            "and a batch from the patched forward or ringseq.shard_batch")

@@ -18,13 +18,21 @@ IGNORE = -100
 CHUNK = 4096  # tokens per slab of the chunked loss: bounds logits to CHUNK x vocab
 
 
-def _global_loss(local_sum: torch.Tensor, count, sp) -> torch.Tensor:
-    """local_sum / count with the value of sum-over-ranks / count and the gradient of the local part."""
+def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torch.Tensor:
+    """local_sum / count with the value of sum-over-ranks / count and the gradient of the local
+    part. The sums are float64 (a scalar per rank: free), so the loss is the exact mean rounded
+    once to ``dtype``, however the tokens were split."""
     total = local_sum.detach().clone()
     if sp.size > 1:
         dist.all_reduce(total, group=sp.group)
     count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
-    return (local_sum + (total - local_sum.detach())) / count.clamp(min=1)
+    return ((local_sum + (total - local_sum.detach())) / count.clamp(min=1)).to(dtype)
+
+
+def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The float64 sum of the token losses (each computed in the logits' dtype, at least fp32)."""
+    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="none")
+    return losses.double().sum()
 
 
 def _count(shift_labels: torch.Tensor, sp) -> torch.Tensor:
@@ -41,10 +49,10 @@ def cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, *, sp, num_i
     does that): a rank's last token predicts the next rank's first token. -100 is ignored.
     ``num_items_in_batch`` (as the HF Trainer passes it) replaces the counted tokens.
     """
-    local = F.cross_entropy(_upcast(logits).flatten(0, -2), shift_labels.flatten().to(logits.device),
-                            ignore_index=IGNORE, reduction="sum")
+    logits = _upcast(logits)
+    local = _token_sum(logits, shift_labels.to(logits.device))
     count = num_items_in_batch if num_items_in_batch is not None else _count(shift_labels, sp)
-    return _global_loss(local, count, sp)
+    return _global_loss(local, count, sp, logits.dtype)
 
 
 def _upcast(logits: torch.Tensor) -> torch.Tensor:
@@ -56,7 +64,7 @@ def _slab_loss(hidden, labels, head, softcap):
     logits = _upcast(head(hidden))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    return F.cross_entropy(logits.flatten(0, -2), labels.flatten(), ignore_index=IGNORE, reduction="sum")
+    return _token_sum(logits, labels)
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,
@@ -65,10 +73,10 @@ def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head
     ``chunk`` tokens: each slab's logits are recomputed in backward (activation checkpointing),
     as DeepSpeed ALST's tiled loss does. Exact: the slab sums add up to the same sum."""
     flat_h, flat_y = hidden.flatten(0, -2), shift_labels.flatten().to(hidden.device)
-    local = hidden.new_zeros((), dtype=torch.promote_types(hidden.dtype, torch.float32))
+    local = hidden.new_zeros((), dtype=torch.float64)
     # Every slab joins the graph, even one whose labels are all ignored: each rank's backward
     # must reach every attention layer, whose ring backward is a collective.
     for a in range(0, flat_h.size(0), chunk):
         local = local + checkpoint(_slab_loss, flat_h[a:a + chunk], flat_y[a:a + chunk], head, final_softcap,
                                    use_reentrant=False)
-    return _global_loss(local, count, sp)
+    return _global_loss(local, count, sp, torch.promote_types(hidden.dtype, torch.float32))

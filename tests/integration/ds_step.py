@@ -10,7 +10,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import ringseq
-import ringseq.testing
+import ringseq.processes
+from ringseq.testing import assert_updates_close
 
 
 def tiny_llama():
@@ -19,6 +20,27 @@ def tiny_llama():
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
+
+
+def lm_loss(model, batch) -> torch.Tensor:
+    """The mean next-token loss in the logits' own dtype (transformers' loss casts logits to fp32,
+    which would make a float64 reference no more exact than fp32)."""
+    logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
+
+
+def reference_step(model, dp: int, S: int, clip: float | None) -> dict:
+    """One single-process SGD step (lr 1) on a copy of ``model``: the mean over replicas of the
+    full-batch gradients, clipped to ``clip``. Returns the parameters after it."""
+    model = copy.deepcopy(model)
+    for d in range(dp):
+        (lm_loss(model, batch_for(d, S)) / dp).backward()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= p.grad
+    return {n: p.detach() for n, p in model.named_parameters()}
 
 
 def batch_for(replica: int, S: int) -> dict:
@@ -35,6 +57,8 @@ def main():
     parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
     parser.add_argument("--section-extra", default=None, help='an extra key=value for the "ringseq" section')
     parser.add_argument("--reduce-scatter", action="store_true", help='set zero_optimization "reduce_scatter": true')
+    parser.add_argument("--clip", type=float, default=1.0,
+                        help="gradient_clipping (0: none; a clipped step hides a wrongly scaled gradient)")
     parser.add_argument("--checkpoint", action="store_true",
                         help="save after the step, load into a fresh engine, take one more step on both")
     parser.add_argument("--local_rank", type=int, default=0)
@@ -45,9 +69,10 @@ def main():
     S = 16 * args.sp
     model = tiny_llama()
     reference = copy.deepcopy(model)
-    # gradient clipping (DeepSpeed's default, 1.0) stays on: the reference clips too, so the test
-    # also checks that DeepSpeed measures the norm of the correctly reduced gradient
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
+    # with clipping (DeepSpeed's default, 1.0) the reference clips too, so the test also checks that
+    # DeepSpeed measures the norm of the correctly reduced gradient; without it (--clip 0) a
+    # gradient of the right direction but the wrong scale is caught as well
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": args.clip,
               "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True}
     if args.reduce_scatter:
         config["zero_optimization"]["reduce_scatter"] = True
@@ -76,21 +101,11 @@ def main():
     engine.backward(loss)
     engine.step()
 
-    # the single-process step: mean over replicas of the full-batch gradients, clipped, SGD lr 1
-    for d in range(dp):
-        (reference(**batch_for(d, S)).loss / dp).backward()
-    torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p -= p.grad
-    want = dict(reference.named_parameters())
-    for name, p in engine.module.named_parameters():
-        with deepspeed.zero.GatheredParameters([p]):
-            got = p.detach().clone()
-        moved = (want[name].detach() - dict(tiny_llama().named_parameters())[name].detach()).abs().max()
-        assert torch.allclose(got, want[name].detach(), rtol=1e-4, atol=1e-6), \
-            f"stage {engine.zero_optimization_stage()} rank {dist.get_rank()}: {name} off by {(got - want[name]).abs().max():.2e} " \
-            f"(a step moved it by {moved:.2e})"
+    what = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp} rank {dist.get_rank()}"
+    clip = engine.gradient_clipping()  # as DeepSpeed read it (a shipped config sets its own)
+    plain = reference_step(reference, dp, S, clip)
+    exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)
+    assert_updates_close(gathered(engine), plain, exact, dict(tiny_llama().named_parameters()), what)
     print(f"rank {dist.get_rank()}: ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp}: parameters match",
           flush=True)
     if args.checkpoint:
@@ -137,4 +152,4 @@ def checkpoint_round_trip(engine, sp, config, S):
 
 if __name__ == "__main__":
     main()
-    ringseq.testing.exit_now(0)  # no interpreter teardown (see exit_now)
+    ringseq.processes.exit_now(0)  # no interpreter teardown (see exit_now)

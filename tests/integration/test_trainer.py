@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from ringseq.testing import free_port
+from ringseq.processes import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
