@@ -84,9 +84,9 @@ def window_sweep(out_dir: str, reps: int, N: int) -> list[dict]:
     return records
 
 
-def mode_sweep(out_dir: str, reps: int, N: int) -> list[dict]:
+def mode_sweep(out_dir: str, reps: int, N: int, kv_heads=(8, 4)) -> list[dict]:
     P, records = 4, []
-    for kv in (8, 4):
+    for kv in kv_heads:
         ring = None
         for ulysses in (1, 2, 4):
             rec = common.run_tree(measure, P, 1, N, kv, "zigzag", ulysses, None, reps)
@@ -143,6 +143,7 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--window-n", type=int, default=16384, help="sequence length of the window sweep")
     parser.add_argument("--modes-n", type=int, default=8192, help="sequence length of the mode comparison")
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4], help="kv heads of the mode comparison")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     parts = args.parts or ["window", "modes"]
@@ -153,7 +154,7 @@ def main(argv=None):
         if part == "window":
             plot_window(window_sweep(args.out, args.reps, args.window_n), os.path.join(args.out, "window.png"))
         else:
-            plot_modes(mode_sweep(args.out, args.reps, args.modes_n), os.path.join(args.out, "modes.png"))
+            plot_modes(mode_sweep(args.out, args.reps, args.modes_n, args.kv_heads), os.path.join(args.out, "modes.png"))
 
 
 if __name__ == "__main__":

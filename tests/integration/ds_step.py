@@ -1,8 +1,12 @@
-"""Run by ``deepspeed --num_gpus N``: one SGD step through ringseq.initialize must move every
-parameter exactly as one single-process step on the same samples (gradients averaged over the
-data-parallel replicas' full batches). Every rank asserts."""
+"""Run by ``deepspeed --num_gpus N``: for each case given, one SGD step through ringseq.initialize
+must move every parameter exactly as one single-process step on the same samples (gradients
+averaged over the data-parallel replicas' full batches), or ringseq must refuse the
+configuration with the expected message. The cases run one after another in one process
+group (a launch costs more than a case). Every rank asserts."""
 import argparse
 import copy
+import shutil
+import tempfile
 
 import deepspeed
 import torch
@@ -48,51 +52,54 @@ def batch_for(replica: int, S: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--stage", type=int, default=None)
-    parser.add_argument("--sp", type=int, default=2)
-    parser.add_argument("--section", action="store_true", help="configure through the ds_config section")
-    parser.add_argument("--config", help="a ds_config file with a ringseq section (replaces --stage's config)")
-    parser.add_argument("--expect-refusal", action="store_true", help="ringseq must refuse this configuration")
-    parser.add_argument("--section-extra", default=None, help='an extra key=value for the "ringseq" section')
-    parser.add_argument("--reduce-scatter", action="store_true", help='set zero_optimization "reduce_scatter": true')
-    parser.add_argument("--clip", type=float, default=1.0,
-                        help="gradient_clipping (0: none; a clipped step hides a wrongly scaled gradient)")
-    parser.add_argument("--checkpoint", action="store_true",
-                        help="save after the step, load into a fresh engine, take one more step on both")
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args()
-    deepspeed.init_distributed(dist_backend="gloo")
+CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse"}
+
+
+def parse_case(text: str) -> dict:
+    """``stage=3,clip=0,checkpoint`` -> {"stage": "3", "clip": "0", "checkpoint": True}."""
+    case = {}
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in CASE_KEYS:
+            raise SystemExit(f"unknown case key {key!r} in {text!r}; known: {sorted(CASE_KEYS)}")
+        case[key] = value if value else True
+    return case
+
+
+def run_case(case: dict) -> str:
+    """One configuration: an SGD step through ringseq.initialize against the single-process
+    step, or the RingSeqError it must raise (``refuse=`` words of the message)."""
+    sp_size = int(case.get("sp", 2))
     world = dist.get_world_size()
-    dp = world // args.sp
-    S = 16 * args.sp
+    dp = world // sp_size
+    S = 16 * sp_size
     model = tiny_llama()
     reference = copy.deepcopy(model)
     # with clipping (DeepSpeed's default, 1.0) the reference clips too, so the test also checks that
-    # DeepSpeed measures the norm of the correctly reduced gradient; without it (--clip 0) a
+    # DeepSpeed measures the norm of the correctly reduced gradient; without it (clip=0) a
     # gradient of the right direction but the wrong scale is caught as well
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1, "gradient_clipping": args.clip,
-              "zero_optimization": {"stage": args.stage}, "zero_allow_untested_optimizer": True}
-    if args.reduce_scatter:
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
+              "gradient_clipping": float(case.get("clip", 1.0)),
+              "zero_optimization": {"stage": int(case.get("stage", 0))}, "zero_allow_untested_optimizer": True}
+    if case.get("reduce_scatter"):
         config["zero_optimization"]["reduce_scatter"] = True
-    if args.config:
-        config, sp = args.config, None  # ringseq.initialize reads the file and its "ringseq" section
-    elif args.section:
-        config["ringseq"] = {"sp_size": args.sp, "layout": "zigzag"}
-        if args.section_extra:
-            key, value = args.section_extra.split("=")
+    sp = None
+    if case.get("config"):
+        config = case["config"]  # ringseq.initialize reads the file and its "ringseq" section
+    elif case.get("section"):
+        config["ringseq"] = {"sp_size": sp_size, "layout": "zigzag"}
+        if case.get("extra"):
+            key, value = case["extra"].split(":")
             config["ringseq"][key] = value
-        sp = None
     else:
-        sp = ringseq.init(sp_size=args.sp)
-    if args.expect_refusal:
+        sp = ringseq.init(sp_size=sp_size)
+    if case.get("refuse"):
         try:
             ringseq.initialize(sp=sp, model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
         except ringseq.RingSeqError as err:
-            print(f"rank {dist.get_rank()}: refused as expected: RingSeqError: {err}", flush=True)
-            return
-        raise AssertionError(f"ZeRO-{args.stage} {config} was not refused")
+            assert case["refuse"] in str(err), f"rank {dist.get_rank()}: refused, but with: {err}"
+            return f"refused as expected: {err}"
+        raise AssertionError(f"{case} was not refused")
     # momentum: its first step is plain SGD; after a checkpoint round trip it must carry over
     engine, *_ = ringseq.initialize(sp=sp, model=model, config=config,
                                     optimizer=torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
@@ -106,10 +113,24 @@ def main():
     plain = reference_step(reference, dp, S, clip)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)
     assert_updates_close(gathered(engine), plain, exact, dict(tiny_llama().named_parameters()), what)
-    print(f"rank {dist.get_rank()}: ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp}: parameters match",
-          flush=True)
-    if args.checkpoint:
+    done = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp} clip {clip}: parameters match"
+    if case.get("checkpoint"):
         checkpoint_round_trip(engine, sp, config, S)
+        done += "; checkpoint saved and loaded: next step matches"
+    return done
+
+
+def main():
+    parser = argparse.ArgumentParser(description="run each case in turn, in one process group")
+    parser.add_argument("cases", nargs="+", help="e.g. stage=3,clip=0  config=launch/configs/ds_zero2.json  "
+                                                 "stage=3,reduce_scatter,refuse=reduce_scatter")
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    deepspeed.init_distributed(dist_backend="gloo")
+    for n, text in enumerate(args.cases):
+        result = run_case(parse_case(text))
+        print(f"rank {dist.get_rank()}: case {n} [{text}] ok: {result}", flush=True)
+        dist.barrier()
     dist.destroy_process_group()
 
 
@@ -123,8 +144,6 @@ def gathered(engine):
 
 def checkpoint_round_trip(engine, sp, config, S):
     """Save, load into a fresh engine (other weights), then one more step on both: equal."""
-    import tempfile
-
     folder = [tempfile.mkdtemp(prefix="ringseq-ckpt-")]
     dist.broadcast_object_list(folder, src=0)
     engine.save_checkpoint(folder[0], tag="step1")
@@ -142,11 +161,8 @@ def checkpoint_round_trip(engine, sp, config, S):
     for name in a:
         assert torch.equal(a[name], b[name]), f"rank {dist.get_rank()}: {name} differs after the checkpoint " \
                                               f"round trip by {(a[name] - b[name]).abs().max():.2e}"
-    print(f"rank {dist.get_rank()}: checkpoint saved and loaded under sp {sp.size}: next step matches", flush=True)
     dist.barrier()
     if dist.get_rank() == 0:
-        import shutil
-
         shutil.rmtree(folder[0])
 
 

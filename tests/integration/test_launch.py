@@ -48,34 +48,35 @@ def test_env_reports_kernels():
     assert run.returncode == 0 and "kernel cpu float32: cpu_flash" in run.stdout
 
 
-def deepspeed_step(nproc, *args, expect="parameters match", also=None):
+def deepspeed_cases(nproc, *cases):
+    """Run ds_step.py's cases under ``deepspeed --num_gpus nproc``; every rank must report each."""
     exe = Path(sys.executable).with_name("deepspeed")
     from ringseq.processes import free_port
 
     port = free_port()
     run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(port),
-                          "tests/integration/ds_step.py", *args], cwd=ROOT, capture_output=True, text=True,
+                          "tests/integration/ds_step.py", *cases], cwd=ROOT, capture_output=True, text=True,
                          timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
-    # DeepSpeed's CPU comm layer leaves a ~69 MB /dev/shm buffer per rank; ringseq.init removes the names
+    # DeepSpeed's CPU comm layer leaves a ~69 MB /dev/shm buffer per rank; ringseq removes the names
     assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shared-memory buffers left behind"
-    assert out.count(expect) == nproc, out[-4000:]
-    assert also is None or out.count(also) == nproc, out[-4000:]
+    for n, case in enumerate(cases):
+        assert out.count(f"case {n} [{case}] ok") == nproc, f"case {case}:\n" + out[-4000:]
 
 
-@pytest.mark.parametrize("stage,clip", [(0, "0"), (1, "1.0"), (2, "1.0"), (3, "0")])
-def test_deepspeed_step_equals_single_process(stage, clip):
-    deepspeed_step(2, "--stage", str(stage), "--clip", clip)
+def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused():
+    """ZeRO 0-3 (two of them without clipping), the ds_config section, the shipped configs, and the
+    refusals: ZeRO-3 reduce_scatter, an sp_size that does not divide the world, a misspelt key."""
+    deepspeed_cases(2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,section",
+                    "config=launch/configs/ds_zero1.json", "config=launch/configs/ds_zero2.json",
+                    "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,refuse=reduce_scatter averages",
+                    "stage=2,section,sp=3,refuse=sp_size 3 must divide the world size",
+                    "stage=2,section,extra=sp_szie:2,refuse=unknown keys ['sp_szie']")
 
 
-def test_deepspeed_ds_config_section():
-    deepspeed_step(2, "--stage", "2", "--section")
-
-
-@pytest.mark.parametrize("name", ["ds_zero1.json", "ds_zero2.json", "ds_zero3.json"])
-def test_shipped_ds_configs(name):
-    deepspeed_step(2, "--config", f"launch/configs/{name}")
+def test_deepspeed_with_data_parallel_replicas_and_checkpoints():
+    deepspeed_cases(4, "stage=1,sp=2,checkpoint", "stage=3,sp=2,checkpoint")
 
 
 def test_shipped_accelerate_config():
@@ -86,20 +87,3 @@ def test_shipped_accelerate_config():
                           "examples/torchrun_loop.py"], cwd=ROOT, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
     assert run.returncode == 0 and "step 4" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]
-
-
-@pytest.mark.parametrize("stage", [1, 3])
-def test_deepspeed_with_data_parallel_replicas_and_checkpoint(stage):
-    deepspeed_step(4, "--stage", str(stage), "--sp", "2", "--checkpoint", also="next step matches")
-
-
-def test_deepspeed_zero3_reduce_scatter_is_refused():
-    deepspeed_step(2, "--stage", "3", "--reduce-scatter", "--expect-refusal", expect="refused as expected")
-
-
-@pytest.mark.parametrize("args,message", [
-    (["--sp", "3"], "sp_size 3 must divide the world size"),
-    (["--section-extra", "sp_szie=2"], "unknown keys ['sp_szie']")])
-def test_deepspeed_bad_ringseq_section_is_refused(args, message):
-    deepspeed_step(2, "--stage", "2", "--section", "--expect-refusal", *args, expect="refused as expected",
-                   also=message)
