@@ -3,7 +3,9 @@
 Labels are shifted on the full sequence *before* sharding, so a rank's last token predicts
 the next rank's first token; position ids are global (built as 0..S-1 when absent), so rotary
 embeddings see true positions; documents and padding are read from the full batch, so no
-communication is needed to know them.
+communication is needed to know them. A length the layout cannot split is padded at the end
+(``pad_to_layout``): under causal attention no real token ever sees a token after it, so the
+real tokens' results are exactly the unpadded ones.
 """
 from __future__ import annotations
 
@@ -11,9 +13,10 @@ import dataclasses
 
 import torch
 
-from .errors import RingSeqError
-from .loss import IGNORE
 from .attention.masks import TokenInfo, documents
+from .errors import RingSeqError
+from .layouts import multiple
+from .loss import IGNORE
 from .sharding import shard
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
@@ -26,11 +29,35 @@ class RingCall:
 
     sp: object
     info: TokenInfo
+    pad: int = 0
+    """Tokens appended to every row so that the layout can split it (``pad_to_layout``)."""
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:
     """[B, S] labels -> [B, S] targets: token i predicts label i+1; the last predicts nothing."""
     return torch.cat([labels[:, 1:], labels.new_full((labels.size(0), 1), IGNORE)], dim=1)
+
+
+def pad_to_layout(batch: dict, sp) -> tuple[dict, int]:
+    """Append tokens to every row of a full batch until ``sp.layout`` can split its length:
+    token id 0 / zero embeddings, attention_mask 0, labels -100, position ids continuing the
+    row's last one. Returns (batch, tokens added). Exact for the real tokens: attention is
+    causal, so none of them sees a later (appended) token, and no label reads one."""
+    tokens = batch.get("input_ids", batch.get("inputs_embeds"))
+    S = tokens.size(1)
+    pad = -S % multiple(sp.layout, sp.ring_size, sp.ulysses_size)
+    if pad == 0:
+        return batch, 0
+    fill = {"input_ids": 0, "inputs_embeds": 0.0, "attention_mask": 0, "labels": IGNORE, "shift_labels": IGNORE}
+    out = dict(batch)
+    for key, value in fill.items():
+        t = batch.get(key)
+        if torch.is_tensor(t):
+            out[key] = torch.cat([t, t.new_full((t.size(0), pad, *t.shape[2:]), value)], dim=1)
+    if torch.is_tensor(batch.get("position_ids")):
+        pos = batch["position_ids"].reshape(-1, S)
+        out["position_ids"] = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+    return out, pad
 
 
 def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -91,8 +118,10 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     with the labels, the global loss); ``ringseq.loss.cross_entropy(logits, local["labels"],
     sp=sp)`` computes the same loss by hand. ``documents_apart=False`` lets packed documents
     see each other (a patched model whose unpatched version does that overrides it anyway).
-    Raises ``RingSeqError`` when the ranks of the group were given different batches (checked
-    by one all-gather of a fingerprint).
+    A length the layout cannot split is padded first (``pad_to_layout``; ``local["ringseq"].pad``
+    says by how much): the real tokens' results are exact, and gathered per-token outputs have
+    the padded length (the first S are the real tokens). Raises ``RingSeqError`` when the ranks
+    of the group were given different batches (checked by one all-gather of a fingerprint).
     """
     unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
     if unknown:
@@ -103,19 +132,18 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     if sp.size > 1:
         check_same_batch(batch, sp)
     B, S = tokens.shape[:2]
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(S, device=tokens.device)
-    position_ids = position_ids.reshape(-1, S).expand(B, S)
-    mask = batch.get("attention_mask")
-    out = {"position_ids": shard(position_ids, 1, sp=sp),
-           "ringseq": RingCall(sp=sp, info=full_token_info(position_ids, mask, documents_apart))}
+    batch = {k: v for k, v in batch.items() if v is not None}
+    if batch.get("position_ids") is None:
+        batch["position_ids"] = torch.arange(S, device=tokens.device)
+    batch["position_ids"] = batch["position_ids"].reshape(-1, S).expand(B, S)
+    if "shift_labels" not in batch and "labels" in batch:  # shift on the full, unpadded sequence
+        batch["shift_labels"] = shift(batch.pop("labels"))
+    batch, pad = pad_to_layout(batch, sp)
+    info = full_token_info(batch["position_ids"], batch.get("attention_mask"), documents_apart)
+    out = {"position_ids": shard(batch["position_ids"], 1, sp=sp), "ringseq": RingCall(sp=sp, info=info, pad=pad)}
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
-        if batch.get(key) is not None:
+        if key in batch:
             out[key] = shard(batch[key], 1, sp=sp)
-    targets = batch.get("shift_labels")
-    if targets is None and batch.get("labels") is not None:
-        targets = shift(batch["labels"])
-    if targets is not None:
-        out["labels"] = shard(targets, 1, sp=sp)
+    if "shift_labels" in batch:
+        out["labels"] = shard(batch["shift_labels"], 1, sp=sp)
     return out

@@ -61,7 +61,20 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                   for a call it cannot compute (a mask or softcap it does not take).
     slab_rows     query rows per kernel slab (bounds masks and scores to slab_rows x keys);
                   None: each backend's default.
+
+    Under ``torch.autocast`` q, k and v are cast to the autocast dtype first, as
+    ``scaled_dot_product_attention`` does (a model's rotary embedding typically hands over fp32
+    q/k and a bf16 v), and the ring itself runs with autocast off: it merges and accumulates in
+    fp32 on purpose.
     """
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
+        with torch.autocast(device, enabled=False):
+            return ring_attention(q, k, v, sp=sp, causal=causal, scale=scale, position_ids=position_ids, window=window,
+                                  softcap=softcap, sinks=sinks, attention_mask=attention_mask, token_info=token_info,
+                                  kernel=kernel, slab_rows=slab_rows)
     check_shapes(q, k, v, sp)
     check_features(q, causal, window, softcap, sinks)
     if token_info is None:

@@ -22,7 +22,8 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
     if K == 0 or H % K:
         raise RingSeqError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA/MQA)")
     if not (q.dtype == k.dtype == v.dtype):
-        raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+        raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype} (under torch.autocast "
+                           f"ring_attention casts them to the autocast dtype itself)")
     if (s * sp.size) % multiple(sp.layout, sp.ring_size, sp.ulysses_size):
         raise RingSeqError(f"local length {s} cannot come from layout {sp.layout!r} over "
                            f"{sp.size} ranks: shard the sequence with ringseq.shard")

@@ -2,6 +2,8 @@
 
 The reference is written from the definitions alone (dense float64 math on the full
 sequence), not from ringseq's mask code."""
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -100,7 +102,10 @@ def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, p
 
 
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
-                   sinks=False, slab_rows=None, **features):
+                   sinks=False, slab_rows=None, autocast=False, **features):
+    """ringseq against ``reference`` in float64 and plainly in ``dtype``. ``autocast``: q and k
+    in fp32 (as a rotary embedding leaves them), v and dout in ``dtype``, both ringseq and the
+    plain SDPA run under ``torch.autocast(dtype=dtype)``."""
     S = S_per_rank * sp.size
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     g = torch.Generator().manual_seed(seed + 7)
@@ -109,16 +114,21 @@ def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, pac
     pad = padding_mask(B, S, seed) if padded else None
     kw = dict(causal=True, **features)
     ref = reference(q, k, v, dout, sinks=sink, position_ids=pos, attention_mask=pad, **kw)
-    plain = reference(*(t.to(dtype) for t in (q, k, v, dout)), sinks=None if sink is None else sink.to(dtype),
-                      position_ids=pos, attention_mask=pad, sdpa=True, **kw)
-    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    dtypes = (torch.float32, torch.float32, dtype, dtype) if autocast else (dtype,) * 4
+    inputs = [t.to(d) for t, d in zip((q, k, v, dout), dtypes)]
+    mixed = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
+    with mixed:
+        plain = reference(*inputs, sinks=None if sink is None else sink.to(dtype), position_ids=pos,
+                          attention_mask=pad, sdpa=True, **kw)
+    local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in inputs[:3]]
     sink_in = None if sink is None else sink.to(dtype).requires_grad_(True)
-    out = ringseq.ring_attention(
-        *local, sp=sp, sinks=sink_in,
-        position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
-        attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows, **kw)
-    out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
-    case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} H{H} K{K} "
+    with mixed:
+        out = ringseq.ring_attention(
+            *local, sp=sp, sinks=sink_in,
+            position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
+            attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows, **kw)
+    out.backward(ringseq.shard(inputs[3], 2, sp=sp))
+    case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} autocast={autocast} H{H} K{K} "
             f"packed={packed} padded={padded} sinks={sinks} slab {slab_rows} {features}")
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
         assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
@@ -148,6 +158,17 @@ def feature_matrix(layout, dtype_name, ulysses_size=1):
     sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
     for n, features in enumerate(FEATURES):  # odd cases: slabs of 5 rows, so the kernels' slab loops run
         check_features(sp, dtype=DTYPES[dtype_name], seed=n, slab_rows=5 if n % 2 else None, **features)
+
+
+AUTOCAST_FEATURES = [dict(), dict(packed=True), dict(padded=True, sinks=True), dict(window=7)]
+
+
+def autocast_matrix(layout, dtype_name):
+    """Under torch.autocast (bf16 or fp16) with fp32 q/k and a half v: what SDPA computes."""
+    sp = shared_init(sp_size=dist.get_world_size(), layout=layout)
+    for n, features in enumerate(AUTOCAST_FEATURES):
+        check_features(sp, dtype={"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name], seed=n, autocast=True,
+                       **features)
 
 
 def ulysses_heads(layout):

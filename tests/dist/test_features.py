@@ -12,6 +12,12 @@ def test_features_match_reference(pool, layout, dtype):
     pool.run(cases.feature_matrix, layout, dtype)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+def test_autocast_casts_like_sdpa(pool, layout, dtype):
+    pool.run(cases.autocast_matrix, layout, dtype)
+
+
 @pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
 def test_features_under_hybrid(pool4, layout):
     pool4.run(cases.feature_matrix, layout, "fp32", ulysses_size=2)

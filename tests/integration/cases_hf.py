@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_model_close, shared_init
+from ringseq.testing import assert_close, assert_model_close, assert_named_close, rounding, shared_init
 
 VOCAB = 96
 
@@ -125,20 +125,64 @@ def check_against(refs, loss, grads, sp, where):
     assert_model_close(loss, grads, *refs, where)
 
 
-def parity(family, layout, kind="plain", S_per_rank=16):
+def parity(family, layout, kind="plain", S_per_rank=16, short=0):
     """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
-    its logits, so the reference is not capped at fp32 by transformers' upcast)."""
+    its logits, so the reference is not capped at fp32 by transformers' upcast). ``short``
+    tokens fewer than the layout can split: the patched model pads the batch itself."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     # A pad query with no visible key (left padding, or a window over pads only) becomes nan in
     # transformers' eager path in float64 (its fp32 softmax of finfo(float64).min), so eager
     # families' float64 reference is taken on short right pads, where every query sees a key.
-    batch = make_batch(2, S_per_rank * world, kind, left_pad=family not in EAGER)
+    batch = make_batch(2, S_per_rank * world - short, kind, left_pad=family not in EAGER)
     base, refs = references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     loss, grads = loss_and_grads(model, batch)
-    check_against(refs, loss, grads, sp, f"{family} {layout} {kind} rank {sp.rank}/{world}")
+    check_against(refs, loss, grads, sp, f"{family} {layout} {kind} short {short} rank {sp.rank}/{world}")
     ringseq.unpatch(model)
+
+
+def token_losses(logits, batch):
+    """Per-token losses (in at least fp32) of the tokens with a target, from full logits."""
+    targets = batch["labels"][:, 1:]
+    losses = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float() if logits.dtype != torch.float64
+                                               else logits[:, :-1].flatten(0, 1), targets.flatten(), reduction="none")
+    return losses[targets.flatten() != -100]
+
+
+def autocast_parity(family, dtype_name, kind="plain"):
+    """fp32 weights under torch.autocast: the patched model computes what the unpatched model
+    computes under the same autocast, against the float64 model without autocast. Logits and
+    gradients by the 2x rule. The loss is one number whose half-precision error is a sum of
+    many roundings of either sign, so the plain run's realised error is a poor yardstick for it
+    (a ratio of two such errors exceeds 2 about a third of the time): it is held to twice the
+    plain run's mean absolute per-token loss error, which bounds the plain mean's error."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    batch = make_batch(2, 16 * world, kind, left_pad=family not in EAGER)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    exact = tiny_model(family, torch.float64)
+    ref_loss, ref_grads = loss_and_grads(exact, batch, manual_loss=True)
+    with torch.no_grad():
+        ref_logits = exact(**inputs).logits
+    base = tiny_model(family, torch.float32)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    with torch.autocast("cpu", dtype=dtype):
+        plain_loss, plain_grads = loss_and_grads(base, batch)
+        loss, grads = loss_and_grads(model, batch)
+        with torch.no_grad():
+            plain_logits = base(**inputs).logits
+            logits = ringseq.gather(model(**inputs).logits, 1, sp=sp)
+    where = f"{family} autocast {dtype_name} {kind} rank {sp.rank}/{world}"
+    assert_close(logits, plain_logits, ref_logits, f"{where}: logits")
+    for g in grads.values():
+        dist.all_reduce(g, group=sp.group)
+    assert_named_close(grads, plain_grads, ref_grads, f"{where}: gradients")
+    per_token = (token_losses(plain_logits, batch).double() - token_losses(ref_logits, batch)).abs().mean().item()
+    err = abs(loss.item() - ref_loss.item())
+    assert err <= 2 * per_token + 2 * rounding(ref_loss, torch.float32), \
+        f"{where}: loss off by {err:.2e} > 2 x the plain run's mean per-token loss error {per_token:.2e}"
 
 
 def unpatch_restores():
@@ -223,9 +267,10 @@ def manual_path():
     # the labels came back shifted on the full sequence, then sharded
     shifted = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], 1)
     assert torch.equal(labels, ringseq.shard(shifted, 1, sp=sp))
-    # the whole shard_batch output, labels included, straight into the patched model
+    # the whole shard_batch output, labels included, straight into the patched model; 16 * world - 3
+    # tokens: shard_batch pads them to a length the layout splits
     for kind in ("packed", "padded"):
-        batch = make_batch(2, 16 * world, kind)
+        batch = make_batch(2, 16 * world - 3, kind)
         _, refs = references("llama", batch)
         loss, grads = loss_and_grads(model, ringseq.shard_batch(batch, sp=sp))
         check_against(refs, loss, grads, sp, f"shard_batch {kind} rank {sp.rank}/{world}")

@@ -18,6 +18,19 @@ def test_packed_and_padded_batches(pool2, pool4, family, kind):
     pool4.run(cases_hf.parity, family, "contiguous", kind)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+@pytest.mark.parametrize("family,kind", [("llama", "packed"), ("qwen2", "plain"), ("gemma2", "plain"),
+                                         ("gpt_oss", "padded")])
+def test_autocast_matches_unpatched_under_autocast(pool2, family, kind, dtype):
+    pool2.run(cases_hf.autocast_parity, family, dtype, kind)
+
+
+@pytest.mark.parametrize("layout,kind", [("zigzag", "plain"), ("striped", "packed"), ("contiguous", "padded")])
+def test_lengths_the_layout_cannot_split_are_padded(pool2, pool4, layout, kind):
+    pool2.run(cases_hf.parity, "llama", layout, kind, 16, 3)
+    pool4.run(cases_hf.parity, "mistral", layout, kind, 16, 5)
+
+
 def test_unpatch_restores_the_model(pool2):
     pool2.run(cases_hf.unpatch_restores)
 
