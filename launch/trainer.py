@@ -1,6 +1,7 @@
 """``ringseq.Trainer``: ``transformers.Trainer`` with sequence parallelism.
 
-What changes against the stock Trainer, and why:
+What changes against the stock Trainer, and why (``SequenceParallelMixin``, shared with
+``ringseq.SFTTrainer``):
 
 * the model is patched (``ringseq.patch``): every rank of a sequence group is handed the same
   full batch and keeps its own slice of it, labels shifted on the full sequence first;
@@ -13,7 +14,11 @@ What changes against the stock Trainer, and why:
   replica: the stock Trainer gathers it from every process, which counts each sequence group's
   batch ``sp_size`` times, and scales the loss by the world size instead of the replicas;
 * evaluation gathers one loss per replica, and ``num_input_tokens_seen`` counts each group's
-  batch once.
+  batch once;
+* ``preprocess_logits_for_metrics`` runs on each rank's logits a slab of tokens at a time and
+  only its (small) result is gathered, in global token order, for ``compute_metrics``: the
+  full-vocabulary logits of a long sequence are never held;
+* collators that pad (``pad_to_multiple_of``) pad to a length the layout can split.
 
 Resuming from a checkpoint skips the batches already seen exactly as the stock Trainer does:
 the sharded dataloader skips the same batches on every rank of a group.
@@ -22,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 
 import transformers
 
 from ringseq.config import from_ds_config, from_env
 from ringseq.errors import RingSeqError
+from ringseq.layouts import multiple
 
 from .accelerate_glue import prepare_accelerator
 from .deepspeed_glue import load_ds_config
@@ -47,39 +54,25 @@ def resolve_sp(sp, args):
     return sp
 
 
-class Trainer(transformers.Trainer):
-    """``transformers.Trainer`` that trains ``model`` with sequence parallelism over ``sp``.
+def check_arguments(args, kwargs: dict) -> None:
+    """Refuse what a sequence-parallel Trainer cannot do exactly, each with the fix."""
+    if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
+        raise RingSeqError('train_sampling_strategy="batch_rebalance" deals batches to every process; with '
+                           "ringseq a sequence group shares one batch: use random, sequential or group_by_length")
+    if args.label_smoothing_factor:
+        raise RingSeqError("label smoothing is not available: the patched model computes plain cross-entropy")
+    if kwargs.get("compute_loss_func") is not None:
+        raise RingSeqError("ringseq.Trainer does not take compute_loss_func: the patched model returns the exact "
+                           "global loss, never the full logits; override compute_loss in a subclass instead")
+    if kwargs.get("compute_metrics") is not None and kwargs.get("preprocess_logits_for_metrics") is None:
+        raise RingSeqError("compute_metrics alone would need the full-vocabulary logits of every token of every "
+                           "sequence; pass preprocess_logits_for_metrics too (e.g. lambda logits, labels: "
+                           "logits.argmax(-1)): ringseq applies it slab by slab and gathers only its result")
 
-    ``sp``: a ``SequenceParallel`` from ``ringseq.init``; when None, the ``"ringseq"`` section of
-    ``args.deepspeed`` or the ``RINGSEQ_*`` variables (default: one sequence over all ranks).
-    Create it (``ringseq.init``) before the ``TrainingArguments`` when several processes run, so
-    Accelerate finds the process group. Raises ``RingSeqError`` for what ringseq cannot do
-    exactly: label smoothing, a custom ``compute_loss_func``, ``compute_metrics`` on logits (the
-    patched model never holds the full logits), the ``batch_rebalance`` sampler (it deals batches
-    per process), Accelerate's own sequence parallelism.
-    """
 
-    def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
-        self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
-        if args is None:
-            args = transformers.TrainingArguments(output_dir="tmp_trainer")  # the stock Trainer's default
-        if getattr(args, "train_sampling_strategy", None) == "batch_rebalance":
-            raise RingSeqError('train_sampling_strategy="batch_rebalance" deals batches to every process; with '
-                               "ringseq a sequence group shares one batch: use random, sequential or group_by_length")
-        if args.label_smoothing_factor:
-            raise RingSeqError("label smoothing is not available: the patched model computes plain cross-entropy")
-        for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
-            if kwargs.get(name) is not None:
-                raise RingSeqError(f"ringseq.Trainer does not take {name}: the patched model returns the exact loss, "
-                                   f"never the full logits; evaluate the loss, or unpatch to predict")
-        from ringseq import patch
-
-        if model is not None:
-            patch(model, sp=self.sp)
-        if kwargs.get("model_init") is not None:
-            user_init = kwargs["model_init"]
-            kwargs["model_init"] = functools.wraps(user_init)(lambda *a: patch(user_init(*a), sp=self.sp))
-        super().__init__(model, args, *rest, **kwargs)
+class SequenceParallelMixin:
+    """What a ``transformers.Trainer`` (or a TRL trainer built on it) needs for a sequence group
+    ``self.sp``: data over replicas, token counts once per replica, metrics slab by slab."""
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -103,14 +96,65 @@ class Trainer(transformers.Trainer):
         super()._track_num_input_tokens(inputs)  # gathered from every process: each batch sp_size times
         self.state.num_input_tokens_seen = before + (self.state.num_input_tokens_seen - before) // self.sp.size
 
+    def _pad_collator_to_layout(self) -> None:
+        """A collator that pads to a multiple pads to one the layout can split too (the patched
+        forward pads any other length itself)."""
+        collator = self.data_collator
+        if hasattr(collator, "pad_to_multiple_of") and not getattr(collator, "padding_free", False):
+            m = multiple(self.sp.layout, self.sp.ring_size, self.sp.ulysses_size)
+            current = collator.pad_to_multiple_of or 1
+            collator.pad_to_multiple_of = current * m // math.gcd(current, m)
+
+    def _replica_loss(self, loss, num_items_in_batch):
+        """The stock Trainers multiply a loss normalised by every replica's tokens by the number of
+        processes (DDP then averages over all of them); ringseq's gradients are averaged over the
+        replicas only, so the factor is the number of replicas."""
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            return loss * self.sp.dp_size
+        return loss
+
+
+class Trainer(SequenceParallelMixin, transformers.Trainer):
+    """``transformers.Trainer`` that trains ``model`` with sequence parallelism over ``sp``.
+
+    ``sp``: a ``SequenceParallel`` from ``ringseq.init``; when None, the ``"ringseq"`` section of
+    ``args.deepspeed`` or the ``RINGSEQ_*`` variables (default: one sequence over all ranks).
+    Create it (``ringseq.init``) before the ``TrainingArguments`` when several processes run, so
+    Accelerate finds the process group. ``compute_metrics`` works together with
+    ``preprocess_logits_for_metrics`` (applied token by token on each rank's shard). Raises
+    ``RingSeqError`` for what ringseq cannot do exactly: label smoothing, a custom
+    ``compute_loss_func``, ``compute_metrics`` on full logits, the ``batch_rebalance`` sampler
+    (it deals batches per process), Accelerate's own sequence parallelism, a model given by name.
+    """
+
+    def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
+        if isinstance(model, str):
+            raise RingSeqError(f"ringseq.Trainer takes a model object, as transformers.Trainer does: load "
+                               f"{model!r} with AutoModelForCausalLM.from_pretrained first (ringseq.SFTTrainer "
+                               f"also takes a model id)")
+        self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
+        if args is None:
+            args = transformers.TrainingArguments(output_dir="tmp_trainer")  # the stock Trainer's default
+        check_arguments(args, kwargs)
+        # applied inside the patched forward, slab by slab; the stock loop must not apply it again
+        self._logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
+        from ringseq import patch
+
+        if model is not None:
+            patch(model, sp=self.sp)
+        if kwargs.get("model_init") is not None:
+            user_init = kwargs["model_init"]
+            kwargs["model_init"] = functools.wraps(user_init)(lambda *a: patch(user_init(*a), sp=self.sp))
+        super().__init__(model, args, *rest, **kwargs)
+        self._pad_collator_to_layout()
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if num_items_in_batch is not None:
             inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        if return_outputs and self._logits_fn is not None:
+            inputs = {**inputs, "logits_fn": self._logits_fn}
         outputs = model(**inputs)
         if outputs.loss is None:
             raise RingSeqError(f"the batch has no labels (keys {sorted(inputs)}); ringseq.Trainer trains on labels")
-        loss = outputs.loss
-        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            # normalised by every replica's tokens; replicas are then averaged: undo that mean
-            loss = loss * self.sp.dp_size
+        loss = self._replica_loss(outputs.loss, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss

@@ -17,7 +17,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ringseq.batch import shard_batch
 from ringseq.errors import RingSeqError
-from ringseq.loss import IGNORE, chunked_cross_entropy, cross_entropy
+from ringseq.loss import CHUNK, IGNORE, chunked_cross_entropy, cross_entropy
+from ringseq.sharding import gather, shard
 from ringseq.attention.masks import TokenInfo
 
 from . import checks
@@ -34,6 +35,9 @@ class PatchHandle:
     chunked_loss: bool
     documents_apart: bool = True
     """Whether the unpatched model keeps packed documents apart (``patches.documents``)."""
+    previous_forward: object = None
+    """An instance-level forward that was there before (e.g. TRL's fused LM head), restored by
+    ``unpatch``; None when the model used its class's forward."""
 
 
 def _final_softcap(config):
@@ -48,19 +52,39 @@ def _logits(model, hidden):
     return logits
 
 
+# What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
+# description of the packed documents, which ringseq reads from position_ids instead.
+PACKING_METADATA = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _drop_packing_metadata(kwargs: dict, position_ids) -> None:
+    given = [k for k in PACKING_METADATA if kwargs.get(k) is not None]
+    if given and position_ids is None:
+        raise RingSeqError(f"{', '.join(given)} describe packed documents, which ringseq reads from position_ids "
+                           f"(a document starts where they do not count up): pass position_ids")
+    for k in PACKING_METADATA:
+        kwargs.pop(k, None)
+
+
 def _forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
              shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
-             **kwargs):
+             fused_lm_head=False, logits_fn=None, **kwargs):
     """Patched forward: the full batch in (on every rank of the sequence group), the global loss
     and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
-    ``ringseq``) is taken as it is; its ``labels`` are already shifted."""
+    ``ringseq``) is taken as it is; its ``labels`` are already shifted. ``fused_lm_head=True``
+    (TRL's fused LM head) returns per-token log-probabilities instead (``patches.fused_head``).
+    ``logits_fn(logits, labels)`` (a Trainer's ``preprocess_logits_for_metrics``) is applied to
+    this rank's logits a slab of tokens at a time and ``logits`` is its result for the whole
+    sequence in global order: full-vocabulary logits of the shard are never held."""
     handle = self._ringseq_patch
     if past_key_values is not None or use_cache:
         raise RingSeqError("a patched model trains on whole sequences: KV caches (use_cache, past_key_values) "
                            "are not supported; ringseq.unpatch(model) before generating")
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
+    _drop_packing_metadata(kwargs, position_ids)
     count = num_items_in_batch
+    drop_last = labels is not None and ringseq is None  # unshifted labels: S - 1 tokens have a target
     if ringseq is None:  # full batch: shard it here
         full = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                 "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
@@ -82,19 +106,48 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
     out = decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
                   ringseq=ringseq, **kwargs)
     hidden = out.last_hidden_state
+    if fused_lm_head:
+        from .fused_head import fused_outputs
+
+        return fused_outputs(self, handle.sp, hidden, shift_labels, ringseq.pad, drop_last=drop_last,
+                             num_items_in_batch=num_items_in_batch)
     loss = logits = None
-    if shift_labels is not None and handle.chunked_loss:
+    if shift_labels is not None and (handle.chunked_loss or logits_fn is not None):
         if count is None:
             count = (shift_labels != IGNORE).sum()
             if handle.sp.size > 1:
                 torch.distributed.all_reduce(count, group=handle.sp.group)
         loss = chunked_cross_entropy(hidden, shift_labels, self.get_output_embeddings(), sp=handle.sp, count=count,
                                      final_softcap=_final_softcap(self.config))
-    else:
+    elif logits_fn is None:
         logits = _logits(self, hidden)
         if shift_labels is not None:
             loss = cross_entropy(logits, shift_labels, sp=handle.sp, num_items_in_batch=count)
+    if logits_fn is not None:
+        local_labels = None
+        if labels is not None and drop_last:  # the unshifted labels of this rank's tokens, padded like the batch
+            local_labels = shard(torch.nn.functional.pad(labels, (0, ringseq.pad), value=IGNORE), 1, sp=handle.sp)
+        logits = _preprocessed(self, hidden, local_labels, logits_fn, handle.sp, ringseq.pad)
     return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def _preprocessed(model, hidden, labels, fn, sp, pad: int):
+    """fn(logits, labels) slab by slab over this rank's tokens, gathered into global order."""
+    B, s = hidden.shape[:2]
+    step = max(1, CHUNK // B)
+    parts = []
+    with torch.no_grad():
+        for a in range(0, s, step):
+            part = fn(_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
+            if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, hidden[:, a:a + step].size(1)):
+                raise RingSeqError("preprocess_logits_for_metrics must work token by token under ringseq (it is "
+                                   "applied to slabs of logits [B, n, V] and must return [B, n, ...], e.g. "
+                                   f"logits.argmax(-1)); it returned {type(part).__name__} "
+                                   f"{tuple(getattr(part, 'shape', ()))}")
+            parts.append(part)
+    local = torch.cat(parts, 1)
+    full = gather(local, 1, sp=sp)
+    return full[:, : full.size(1) - pad]
 
 
 def patch(model, *, sp, chunked_loss: bool = True):
@@ -105,17 +158,21 @@ def patch(model, *, sp, chunked_loss: bool = True):
     labels and ``chunked_loss`` (default) the loss is computed slab by slab from the final
     hidden states and ``logits`` is None (full-vocabulary logits of the whole shard are never
     held); otherwise ``logits`` is this rank's shard [B, s, V], in the layout's token order.
-    Patching twice only updates ``sp``. Raises ``RingSeqError`` listing every feature of the
-    model that ringseq cannot reproduce.
+    Patching twice only updates ``sp`` (and puts the patched forward back if something replaced
+    it since). Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
+    reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
+    patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
     """
     handle = getattr(model, "_ringseq_patch", None)
     if handle is not None:
         handle.sp, handle.chunked_loss = sp, chunked_loss
+        if getattr(vars(model).get("forward"), "__func__", None) is not _forward:
+            model.forward = types.MethodType(_forward, model)
         return model
     checks.check(model)
     register()
     handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
-                         chunked_loss=chunked_loss)
+                         chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"))
     model.set_attn_implementation(NAME)
     try:
         handle.documents_apart = isolates_documents(model)
@@ -133,6 +190,9 @@ def unpatch(model):
     if handle is None:
         return model
     model.set_attn_implementation(handle.previous_attn_implementation)
-    del model.forward
+    if handle.previous_forward is None:
+        del model.forward
+    else:
+        model.forward = handle.previous_forward
     del model._ringseq_patch
     return model

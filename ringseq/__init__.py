@@ -2,8 +2,9 @@
 
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
-``config``, ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer) and
-``prepare_accelerator`` (Accelerate) import their third-party libraries on first use.
+``config``, ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
+``SFTTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
+third-party libraries on first use.
 """
 from . import config, loss
 from .attention import ring_attention, token_info
@@ -15,16 +16,21 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
+__all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
            "join_deepspeed", "loss", "patch", "prepare_accelerator", "ring_attention", "shard", "shard_batch",
            "token_info", "unpatch"]
 
 
 def __getattr__(name):
-    if name == "Trainer":  # a class (users subclass it): imported from transformers on first use
+    # classes (users subclass them), imported with their library on first use
+    if name == "Trainer":
         from .launch.trainer import Trainer
 
         return Trainer
+    if name == "SFTTrainer":  # needs the trl extra: pip install "ringseq[trl]"
+        from .launch.sft_trainer import SFTTrainer
+
+        return SFTTrainer
     raise AttributeError(f"module 'ringseq' has no attribute {name!r}")
 
 

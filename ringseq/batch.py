@@ -100,9 +100,10 @@ def check_same_batch(batch: dict, sp) -> None:
     different = [r for r, other in enumerate(every) if not torch.equal(other, every[0])]
     if different:
         raise RingSeqError(f"the ranks of a sequence group hold different batches (group ranks {different} differ "
-                           f"from group rank 0): every rank of a group must get the same full batch. Shard the "
-                           f"data over data-parallel replicas (sp.dp_rank of sp.dp_size), not over all ranks; "
-                           f"ringseq.Trainer and ringseq.prepare_accelerator do this")
+                           f"from group rank 0): every rank of a group must get the same full batch. A stock "
+                           f"transformers.Trainer, trl.SFTTrainer or Accelerate dataloader shards the data over all "
+                           f"processes: use ringseq.Trainer, ringseq.SFTTrainer or ringseq.prepare_accelerator, or "
+                           f"shard it yourself over data-parallel replicas (sp.dp_rank of sp.dp_size)")
 
 
 def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:

@@ -48,13 +48,14 @@ class RingSeqConfig:
                                          or not self.timeout > 0):
             raise RingSeqError(f"ringseq timeout must be a positive number of seconds, got {self.timeout!r}")
 
-    def check_world(self, world: int) -> None:
-        """Refuse a world that is not data x ring x ulysses, with the whole equation."""
+    def check_world(self, world: int, environ=None) -> None:
+        """Refuse a world that is not data x ring x ulysses, with the whole equation (and, for a
+        world of one process, how the launchers start more)."""
         sp, uly = self.sp_size or world, self.ulysses_size
         if world % sp:
+            hint = f" (or choose an sp_size that divides {world})" if world > 1 else single_process_hint(environ)
             raise RingSeqError(f"world {world} is not data N x ring {sp // uly} x ulysses {uly} for any whole N: "
-                               f"sp_size {sp} must divide the world size; launch a multiple of {sp} processes "
-                               f"(or choose an sp_size that divides {world})")
+                               f"sp_size {sp} must divide the world size; launch a multiple of {sp} processes{hint}")
 
     def resolved_timeout(self) -> float:
         return float(self.timeout) if self.timeout is not None else (from_env().timeout or DEFAULT_TIMEOUT)
@@ -76,6 +77,16 @@ class RingSeqConfig:
         sp_size = dist.get_world_size() if self.sp_size is None else self.sp_size
         kwargs.setdefault("timeout", self.timeout)
         return init(sp_size=sp_size, ulysses_size=self.ulysses_size, layout=self.layout, **kwargs)
+
+
+def single_process_hint(environ=None) -> str:
+    """Why only one process may be running, from the launcher's environment."""
+    environ = os.environ if environ is None else environ
+    if "ACCELERATE_MIXED_PRECISION" in environ and "WORLD_SIZE" not in environ:
+        return (". Only one process is running: on a machine without GPUs `accelerate launch` starts one process "
+                "unless given --multi_gpu (accelerate launch --multi_gpu --num_processes 2 train.py)")
+    return (". Only one process is running: start several with torchrun --nproc_per_node N, deepspeed --num_gpus N "
+            "or accelerate launch --multi_gpu --num_processes N")
 
 
 def from_env(environ=None) -> RingSeqConfig:

@@ -185,6 +185,40 @@ def autocast_parity(family, dtype_name, kind="plain"):
         f"{where}: loss off by {err:.2e} > 2 x the plain run's mean per-token loss error {per_token:.2e}"
 
 
+def _with_lora(model):
+    """A LoRA adapter on q/v whose B matrices are non-zero too (PEFT starts them at zero, which
+    would leave A without gradient), the same on every copy."""
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(1)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                             lora_dropout=0.0, init_lora_weights="gaussian"))
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float64) * 0.1)
+    return model
+
+
+def peft_in_either_order(order):
+    """PEFT adapters on a patched model and a patch on a PEFT model: the adapters' gradients
+    against the unpatched PEFT model (fp32 and float64)."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    batch = make_batch(2, 16 * world, "packed")
+    ref_loss, ref_grads = loss_and_grads(_with_lora(tiny_model("llama", torch.float64)), batch, manual_loss=True)
+    plain_loss, plain_grads = loss_and_grads(_with_lora(tiny_model("llama")), batch)
+    if order == "patch_then_peft":
+        model = _with_lora(ringseq.patch(tiny_model("llama"), sp=sp))
+    else:
+        model = ringseq.patch(_with_lora(tiny_model("llama")), sp=sp)
+    loss, grads = loss_and_grads(model, batch)
+    assert grads.keys() == plain_grads.keys() and all("lora_" in n for n in grads), sorted(grads)
+    check_against((plain_loss, plain_grads, ref_loss, ref_grads), loss, grads, sp,
+                  f"PEFT {order} rank {sp.rank}/{world}")
+
+
 def unpatch_restores():
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)

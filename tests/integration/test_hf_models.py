@@ -31,6 +31,12 @@ def test_lengths_the_layout_cannot_split_are_padded(pool2, pool4, layout, kind):
     pool4.run(cases_hf.parity, "mistral", layout, kind, 16, 5)
 
 
+@pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
+def test_peft_adapters_in_either_order(pool2, pool4, order):
+    pool2.run(cases_hf.peft_in_either_order, order)
+    pool4.run(cases_hf.peft_in_either_order, order)
+
+
 def test_unpatch_restores_the_model(pool2):
     pool2.run(cases_hf.unpatch_restores)
 

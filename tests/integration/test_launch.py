@@ -38,6 +38,17 @@ def test_init_under_torchrun_imports_no_training_library():
     assert run.returncode == 0 and run.stdout.count("core only") == 2, run.stdout[-2000:] + run.stderr[-3000:]
 
 
+def test_accelerate_without_multi_gpu_is_explained():
+    """On CPU, accelerate launch without --multi_gpu starts one process: the error says so."""
+    from ringseq.processes import free_port
+
+    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
+                          "--main_process_port", str(free_port()), "examples/torchrun_loop.py"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
+    assert run.returncode != 0 and "world 1 is not data N x ring 2" in run.stderr, run.stderr[-3000:]
+    assert "accelerate launch --multi_gpu --num_processes 2" in run.stderr, run.stderr[-3000:]
+
+
 def test_launch_refuses_sp_not_dividing_the_processes():
     run = ringseq_cmd("launch", "--sp", "3", "--nproc", "2", "examples/torchrun_loop.py")
     assert run.returncode == 2 and "world 2 is not data N x ring 3 x ulysses 1" in run.stderr, run.stderr

@@ -46,9 +46,10 @@ def test_trainer_deepspeed_steps_equal_single_process(stage, nproc, extra):
              nproc * (2 if "--resume" in extra else 1))
 
 
-@pytest.mark.parametrize("nproc,extra", [(2, ["--checkpointing"]), (4, [])])
+@pytest.mark.parametrize("nproc,extra", [(2, ["--checkpointing", "--stock-first"]), (4, [])])
 def test_trainer_ddp_steps_equal_single_process(nproc, extra):
-    launched(torchrun(nproc, HERE / "trainer_step.py", "--resume", *extra), "parameters match", 2 * nproc)
+    out = launched(torchrun(nproc, HERE / "trainer_step.py", "--resume", *extra), "parameters match", 2 * nproc)
+    assert out.count("stock Trainer refused") == (nproc if "--stock-first" in extra else 0), out[-3000:]
 
 
 def test_trainer_under_accelerate_launch():

@@ -125,6 +125,24 @@ def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
                            sp=None if args_ns.section else sp)
 
 
+def stock_trainer_is_refused(sp, train):
+    """The stock Trainer deals each process its own samples: the patched model must refuse the mix
+    and point to ringseq.Trainer."""
+    from transformers import Trainer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        args = TrainingArguments(output_dir=tmp, per_device_train_batch_size=1, max_steps=1, report_to=[],
+                                 use_cpu=True, disable_tqdm=True, save_strategy="no")
+        trainer = Trainer(model=ringseq.patch(tiny_llama(), sp=sp), args=args, train_dataset=train)
+        try:
+            trainer.train()
+        except ringseq.RingSeqError as err:
+            assert "use ringseq.Trainer" in str(err), err
+            print(f"rank {dist.get_rank()}: stock Trainer refused: {err}", flush=True)
+            return
+        raise AssertionError("a stock Trainer trained a patched model on different batches per rank")
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--sp", type=int, default=2)
@@ -134,6 +152,8 @@ def main():
     parser.add_argument("--resume", action="store_true", help="also resume from checkpoint-1 and compare")
     parser.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained")
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (layers recomputed)")
+    parser.add_argument("--stock-first", action="store_true",
+                        help="first check that a stock transformers.Trainer on a patched model is refused")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
 
@@ -141,6 +161,8 @@ def main():
     rank = dist.get_rank()
     dp, steps = sp.dp_size, 3
     train, evaluation = samples(steps * args.gas * dp, seed=1), samples(2 * dp, seed=2)
+    if args.stock_first:
+        stock_trainer_is_refused(sp, train)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = [tmp]
         dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)

@@ -1,0 +1,67 @@
+"""TRL's fused LM head under sequence parallelism (shapes: ``ringseq.shapes``).
+
+TRL (>= 1.13) wraps a model's forward so that ``model(..., labels=..., fused_lm_head=True)``
+returns per-token log-probabilities (and entropy, top-1 hits) computed in tiles from the final
+hidden states, never the [B, S, V] logits; its trainers compute the loss and their logged
+metrics from those per-token fields. That wrapper calls the decoder directly, so the ring
+never sees its batch. Under ringseq the patched forward answers ``fused_lm_head=True`` itself:
+the decoder runs on this rank's shard, TRL's own kernel (``trl.kernels.ChunkedLogProbFunction``)
+scores this rank's tokens, and the per-token fields are all-gathered into global token order
+(S numbers per sample, differentiably: ``ringseq.gather``'s backward keeps this rank's slice).
+Every rank then holds exactly what the unsplit model would have returned, so TRL's loss
+(a sum over the fields) is the global loss, its gradient is this rank's share (the gradient
+rule) and its metrics are the one-process metrics.
+"""
+from __future__ import annotations
+
+import torch
+
+from ringseq.errors import RingSeqError
+from ringseq.loss import IGNORE
+from ringseq.sharding import gather
+
+FIELDS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for
+VOCAB_TILE = 32768  # vocabulary columns per tile of TRL's kernel (TRL's own default)
+SCALED_LOGITS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _check_head(config) -> None:
+    scaled = [name for name in SCALED_LOGITS if getattr(config, name, None) not in (None, 1, 1.0)]
+    if scaled:
+        raise RingSeqError(f"the fused LM head under ringseq does not apply logit scaling ({', '.join(scaled)}); "
+                           f"train this model with ringseq.Trainer, whose loss reads the model's own logits")
+
+
+def _global(local: torch.Tensor, sp, pad: int, drop_last: bool) -> torch.Tensor:
+    """[B, s] per-token field of this rank -> [B, S] in global order (padding cut; S - 1 tokens
+    when the labels were unshifted, as TRL returns them)."""
+    full = gather(local, 1, sp=sp)
+    S = full.size(1) - pad
+    return full[:, : S - 1 if drop_last else S]
+
+
+def fused_outputs(model, sp, hidden: torch.Tensor, targets: torch.Tensor, pad: int, *, drop_last: bool,
+                  num_items_in_batch=None):
+    """TRL's ``FusedCausalLMOutput`` of the whole sequence from this rank's final hidden states
+    [B, s, d] and shifted targets [B, s]."""
+    from trl.kernels import ChunkedLogProbFunction
+    from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
+
+    if targets is None:
+        raise RingSeqError("fused_lm_head=True needs labels (or shift_labels)")
+    config = model.config.get_text_config()
+    _check_head(config)
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    mask = targets != IGNORE
+    with maybe_gather_lm_head_ctx(weight, bias):
+        log_probs, entropy, _, _, is_top1 = ChunkedLogProbFunction.apply(
+            hidden.reshape(-1, hidden.size(-1)), weight, bias, targets.clamp(min=0).reshape(-1), 1.0, VOCAB_TILE,
+            getattr(config, "final_logit_softcapping", None), 1.0, FIELDS)
+    log_probs, entropy = (x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy))
+    is_top1 = is_top1.view(mask.shape) & mask
+    log_probs, entropy = (_global(x, sp, pad, drop_last) for x in (log_probs, entropy))
+    is_top1, label_mask = (_global(x.to(torch.uint8), sp, pad, drop_last).bool() for x in (is_top1, mask))
+    count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
+                               label_mask=label_mask)

@@ -1,0 +1,117 @@
+"""What the client-stack tests share: a tokenizer, a tiny Llama and datasets, all built in code
+(no hub), identically in the one-process reference runs and in the launched ringseq runs."""
+from __future__ import annotations
+
+import torch
+
+WORDS = [f"w{i}" for i in range(48)]
+SPECIAL = ["<pad>", "<eos>", "<unk>", "<user>", "<assistant>"]
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'assistant' %}<assistant> {% generation %}"
+                 "{{ m['content'] }} <eos>{% endgeneration %} {% else %}<user> {{ m['content'] }} {% endif %}"
+                 "{% endfor %}")
+
+
+def tokenizer():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS)}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    out.chat_template = CHAT_TEMPLATE
+    return out
+
+
+def tiny_llama(dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(SPECIAL) + len(WORDS), hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, use_cache=False,
+                         pad_token_id=0, eos_token_id=1, bos_token_id=None, max_position_embeddings=1024)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config).to(dtype)
+
+
+def _words(g, lo, hi):
+    n = int(torch.randint(lo, hi, (1,), generator=g))
+    return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
+
+
+def dataset(kind: str, n: int, seed: int):
+    """``text`` (language modeling), ``prompt_completion`` or ``messages`` (conversational) rows."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    if kind == "text":
+        rows = [{"text": _words(g, 8, 40)} for _ in range(n)]
+    elif kind == "prompt_completion":
+        rows = [{"prompt": _words(g, 4, 20), "completion": _words(g, 4, 20)} for _ in range(n)]
+    elif kind == "messages":
+        rows = [{"messages": [{"role": "user", "content": _words(g, 4, 16)},
+                              {"role": "assistant", "content": _words(g, 4, 16)}]} for _ in range(n)]
+    else:
+        raise ValueError(kind)
+    return Dataset.from_list(rows)
+
+
+def named_trainable(model) -> dict:
+    """The trainable parameters by name (a PEFT model: its adapter), detached CPU copies."""
+    return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+# Each scenario: the dataset kind and the SFTConfig settings beside the common ones. SGD, not
+# AdamW: a first Adam step moves every weight by ~lr * sign(gradient), so a gradient that is
+# zero up to rounding moves by +-lr either way and no rounding-level comparison could hold.
+SFT_SCENARIOS = {
+    "packing": dict(data="text", packing=True, gradient_accumulation_steps=2, eval=True),
+    "padded": dict(data="text", eval=True),
+    "padding_free": dict(data="text", padding_free=True, max_length=None),
+    "completion": dict(data="prompt_completion"),
+    "assistant": dict(data="messages", assistant_only_loss=True),
+    "dft": dict(data="text", loss_type="dft"),
+    "peft": dict(data="text", peft=True),
+    "model_id": dict(data="text", model_id=True),
+    "bf16": dict(data="text", bf16=True),
+}
+METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy",
+           "eval_mean_token_accuracy", "eval_accuracy")
+
+
+def sft_config(name: str, out_dir: str, **extra):
+    from trl import SFTConfig
+
+    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id")}
+    s.setdefault("bf16", False)
+    s.setdefault("max_length", 64)
+    s.update(extra)
+    return SFTConfig(output_dir=out_dir, max_steps=3, per_device_train_batch_size=2, per_device_eval_batch_size=2,
+                     learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=1.0,
+                     logging_steps=1, report_to=[], disable_tqdm=True, save_strategy="no", seed=0,
+                     dataloader_drop_last=False, **s)
+
+
+def lora():
+    from peft import LoraConfig
+
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                      init_lora_weights="gaussian")
+
+
+def run_clm_preprocess(logits, labels):
+    """transformers' examples/pytorch/language-modeling/run_clm.py: preprocess_logits_for_metrics."""
+    if isinstance(logits, tuple):
+        logits = logits[0]
+    return logits.argmax(dim=-1)
+
+
+def run_clm_metrics(eval_preds):
+    """run_clm.py's compute_metrics: token accuracy of the shifted predictions (its ``evaluate``
+    accuracy metric, written out: the mean of prediction == reference over every position)."""
+    preds, labels = eval_preds
+    labels = labels[:, 1:].reshape(-1)
+    preds = preds[:, :-1].reshape(-1)
+    return {"accuracy": float((preds == labels).mean())}
