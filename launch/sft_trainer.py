@@ -25,7 +25,7 @@ from ringseq.errors import RingSeqError
 
 from .trainer import SequenceParallelMixin, check_arguments, resolve_sp
 
-TRL_RANGE = (Version("1.13.0"), Version("2.0.0"))  # the fused LM head and its kernel as TRL 1.13-1.16 ship them
+TRL_RANGE = (Version("1.16.0"), Version("2.0.0"))  # the fused LM head: TRL 1.15 has it for Triton devices only
 
 
 def _import_trl():

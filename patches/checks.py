@@ -6,11 +6,18 @@ they use is one ringseq reproduces; anything else is listed in one ``RingSeqErro
 """
 from __future__ import annotations
 
+import re
+
+import torch
 import transformers
+from packaging.version import Version
 
 from ringseq.errors import RingSeqError
 
-TESTED_TRANSFORMERS = "5.23"
+# The transformers releases whose AttentionInterface / AttentionMaskInterface, mask-creation
+# keywords and decoder signatures ringseq reads; CI runs the HF tests on the oldest and newest.
+TRANSFORMERS_RANGE = (Version("5.0.0"), Version("6.0.0"))
+PEFT_RANGE = (Version("0.18.0"), Version("1.0.0"))  # PEFT before 0.18 does not import under transformers 5
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss")
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 # rope variants that size their frequencies from the largest position id the layer sees:
@@ -25,13 +32,39 @@ def _rope_types(config) -> set[str]:
     return {params.get("rope_type", params.get("type", "default"))} if isinstance(params, dict) else set()
 
 
+# Class-name fragments of layers that mix tokens along the sequence without attention (state
+# spaces, linear attention, recurrences); older configs do not list them in layer_types.
+# Case-sensitive CamelCase fragments, so that e.g. "GptOss" does not read as "SSM".
+MIXER_NAMES = re.compile(r"Mamba|SSM|Ssm[A-Z]|Mixer|DeltaNet|LinearAttention|Rwkv|RWKV|Retention|Hyena|ShortConv|"
+                         r"Xlstm|xLSTM")
+
+
+def sequence_mixers(model) -> list[str]:
+    """Module types that mix tokens along the sequence other than softmax attention: causal
+    convolutions (nn.Conv1d) and state-space / recurrent blocks."""
+    found = set()
+    for module in model.modules():
+        name = type(module).__name__
+        if isinstance(module, torch.nn.Conv1d) or MIXER_NAMES.search(name):
+            found.add(name)
+    return sorted(found)
+
+
 def problems(model) -> list[str]:
     """Everything about ``model`` that ringseq cannot compute exactly (empty: patchable)."""
     config = model.config
     found = []
-    if not transformers.__version__.startswith(TESTED_TRANSFORMERS):
-        found.append(f"transformers {transformers.__version__} is untested (ringseq is tested with "
-                     f"{TESTED_TRANSFORMERS}.x: pip install 'transformers=={TESTED_TRANSFORMERS}.*')")
+    low, high = TRANSFORMERS_RANGE
+    if not low <= Version(transformers.__version__) < high:
+        found.append(f"transformers {transformers.__version__} is outside the range ringseq supports "
+                     f"(>= {low}, < {high}): pip install 'transformers>={low},<{high}'")
+    if type(model).__module__.startswith("peft"):
+        import peft
+
+        low, high = PEFT_RANGE
+        if not low <= Version(peft.__version__) < high:
+            found.append(f"PEFT {peft.__version__} is outside the range ringseq supports (>= {low}, < {high}): "
+                         f"pip install 'peft>={low},<{high}'")
     if getattr(config, "is_encoder_decoder", False):
         found.append("encoder-decoder models (only decoder-only causal LMs are supported)")
     if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
@@ -44,6 +77,10 @@ def problems(model) -> list[str]:
     if layer_types - LAYER_TYPES:
         found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (linear-attention, Mamba or other "
                      f"non-softmax layers; supported: {sorted(LAYER_TYPES)})")
+    mixers = sequence_mixers(model)
+    if mixers:
+        found.append(f"sequence-mixing layers other than attention ({', '.join(mixers)}): a state-space, "
+                     f"convolution or recurrent layer would mix only this rank's tokens")
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         found.append("bidirectional attention")
     local = _rope_types(config) & LOCAL_ROPE

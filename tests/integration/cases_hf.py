@@ -252,7 +252,7 @@ def refuses_unsupported_models():
         (tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                                    d_kv=8)), "encoder-decoder"),
         (tf.MambaForCausalLM(tf.MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1)),
-         r"layer types \[.linear_attention.\]"),
+         r"sequence-mixing layers other than attention \(.*MambaMixer"),
         (tf.LlamaModel(tiny_config("llama")), "no language-model head"),
     ]
     for model, match in cases:
