@@ -174,11 +174,12 @@ def ringseq_run(args) -> None:
         tiny_llama().save_pretrained(model_dir)
         tokenizer().save_pretrained(model_dir)
     dist.barrier()
-    for name in args.scenarios:
-        got = run_scenario(name, ringseq_sp=sp, out_dir=os.path.join(folder[0], name), model_dir=model_dir,
-                           stage=args.stage)
+    for item in args.scenarios:  # NAME or NAME@STAGE (a DeepSpeed ZeRO stage for this scenario)
+        name, _, stage = item.partition("@")
+        got = run_scenario(name, ringseq_sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
+                           stage=int(stage) if stage else args.stage)
         check(name, got, refs[name], rank)
-        print(f"rank {rank}: {name} ok: {got[0][-1]}", flush=True)
+        print(f"rank {rank}: {item} ok: {got[0][-1]}", flush=True)
         dist.barrier()
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)

@@ -23,11 +23,13 @@ def test_demo_runs_and_the_curves_agree(tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])
-def test_launch_runs_the_example(launcher):
-    run = ringseq_cmd("launch", "--launcher", launcher, "--sp", "2", "--nproc", "2", "examples/torchrun_loop.py")
+@pytest.mark.parametrize("launcher,example,done", [("torchrun", "torchrun_loop.py", "step 4"),
+                                                   ("deepspeed", "torchrun_loop.py", "step 4"),
+                                                   ("accelerate", "accelerate_loop.py", "step 3: loss")])
+def test_launch_runs_the_example(launcher, example, done):
+    run = ringseq_cmd("launch", "--launcher", launcher, "--sp", "2", "--nproc", "2", f"examples/{example}")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "step 4" in run.stdout
+    assert done in run.stdout
 
 
 def test_init_under_torchrun_imports_no_training_library():
@@ -89,13 +91,3 @@ def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused(
 
 def test_deepspeed_with_data_parallel_replicas_and_checkpoints():
     deepspeed_cases(4, "stage=1,sp=2,checkpoint", "stage=3,sp=2,checkpoint")
-
-
-def test_shipped_accelerate_config():
-    from ringseq.processes import free_port
-
-    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                          "launch/configs/accelerate_cpu.yaml", "--main_process_port", str(free_port()),
-                          "examples/torchrun_loop.py"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                         env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
-    assert run.returncode == 0 and "step 4" in run.stdout, run.stdout[-2000:] + run.stderr[-3000:]

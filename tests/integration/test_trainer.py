@@ -38,26 +38,33 @@ def accelerate(nproc, script, *flags):
             "--main_process_port", str(free_port()), str(script)]
 
 
-# ZeRO-1 goes through the same glue as ZeRO-2 here; tests/integration/ds_step.py steps all four stages
-@pytest.mark.parametrize("stage,nproc,extra", [
-    (2, 2, ["--resume"]), (3, 2, ["--resume", "--section", "--checkpointing"]), (3, 4, ["--resume", "--pretrained"])])
-def test_trainer_deepspeed_steps_equal_single_process(stage, nproc, extra):
-    launched(deepspeed(nproc, HERE / "trainer_step.py", "--stage", str(stage), *extra), "parameters match",
-             nproc * (2 if "--resume" in extra else 1))
+# ZeRO-1 goes through the same glue as ZeRO-2 here; tests/integration/ds_step.py steps all four stages.
+# The cases of one launch run one after another in one process group (a launch costs more than a case).
+# Data-parallel replicas under the Trainer: the DDP case at 4 processes below (DeepSpeed's own
+# dp2 reductions: test_launch.py's 4-process ds_step cases and the ZeRO-3 Accelerate step).
+def test_trainer_deepspeed_steps_equal_single_process():
+    cases = ["stage=2,resume", "stage=3,resume,section,checkpointing", "stage=3,pretrained"]
+    launched(deepspeed(2, HERE / "trainer_step.py", *cases), "parameters match", 2 * (len(cases) + 2))
 
 
-@pytest.mark.parametrize("nproc,extra", [(2, ["--checkpointing", "--stock-first"]), (4, [])])
-def test_trainer_ddp_steps_equal_single_process(nproc, extra):
-    out = launched(torchrun(nproc, HERE / "trainer_step.py", "--resume", *extra), "parameters match", 2 * nproc)
+@pytest.mark.parametrize("nproc,cases,extra", [(2, ["resume,checkpointing"], ["--stock-first"]), (4, [""], [])])
+def test_trainer_ddp_steps_equal_single_process(nproc, cases, extra):
+    resumes = sum("resume" in c for c in cases)
+    out = launched(torchrun(nproc, HERE / "trainer_step.py", *cases, *extra), "parameters match",
+                   nproc * (len(cases) + resumes))
     assert out.count("stock Trainer refused") == (nproc if "--stock-first" in extra else 0), out[-3000:]
 
 
-def test_trainer_under_accelerate_launch():
-    launched(accelerate(2, HERE / "trainer_step.py", "--multi_gpu"), "eval loss", 2)
+def test_trainer_under_accelerate_launch_with_the_shipped_config():
+    from ringseq.processes import free_port
+
+    launched([sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+              str(ROOT / "launch/configs/accelerate_cpu.yaml"),
+              "--main_process_port", str(free_port()), str(HERE / "trainer_step.py")], "eval loss", 2)
 
 
-@pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "2"], 2),
-                                         (["--use_deepspeed", "--zero_stage", "3"], 4)])
+# ZeRO-2 through Accelerate takes the same route into ringseq.initialize as ZeRO-3
+@pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "3"], 4)])
 def test_accelerate_step_equals_single_process(flags, nproc):
     launched(accelerate(nproc, HERE / "accelerate_step.py", *flags), "parameters match", nproc,
              env={"RINGSEQ_SP_SIZE": "2"}, cwd=HERE)
@@ -71,10 +78,9 @@ def test_accelerate_own_sp_size_is_refused():
     assert "step 0" not in out
 
 
-@pytest.mark.parametrize("flags", [["--multi_gpu"], ["--use_deepspeed", "--zero_stage", "3"]])
-def test_accelerate_example(flags):
-    launched(accelerate(2, ROOT / "examples/accelerate_loop.py", *flags), "step 3: loss", 1,
-             env={"RINGSEQ_SP_SIZE": "2"})
+def test_accelerate_example_with_deepspeed():  # with --multi_gpu: test_launch.py, through ringseq launch
+    launched(accelerate(2, ROOT / "examples/accelerate_loop.py", "--use_deepspeed", "--zero_stage", "3"), "step 3: loss",
+             1, env={"RINGSEQ_SP_SIZE": "2"})
 
 
 def test_trainer_deepspeed_example(tmp_path):
@@ -94,7 +100,7 @@ def test_check_reports_parity(tmp_path):
 
 
 def test_check_catches_a_wrong_loss():
-    out = launched(ringseq_check(HERE / "check_broken.py"), "MISMATCH (rule", 1, returncode=1)
+    out = launched(ringseq_check(HERE / "check_broken.py", "--steps", "1"), "MISMATCH (rule", 1, returncode=1)
     assert "step 0" in out
 
 

@@ -29,7 +29,9 @@ def main():
                                train_dataset=samples(2, 1), **kw)
 
     refused(lambda: trainer(sp=sp, label_smoothing_factor=0.1), "label smoothing")
-    refused(lambda: trainer(sp=sp, compute_metrics=lambda p: {}), "does not take compute_metrics")
+    refused(lambda: trainer(sp=sp, compute_metrics=lambda p: {}), "pass preprocess_logits_for_metrics too")
+    refused(lambda: ringseq.Trainer(model="some/model", args=TrainingArguments(output_dir=out, report_to=[]), sp=sp),
+            "takes a model object")
     refused(lambda: trainer(sp=sp, compute_loss_func=lambda *a, **k: 0), "does not take compute_loss_func")
     refused(lambda: trainer(sp=sp, train_sampling_strategy="batch_rebalance"), "batch_rebalance")
     refused(lambda: trainer(sp=sp, deepspeed={"ringseq": {"sp_size": 2}, "zero_optimization": {"stage": 2}}),

@@ -99,30 +99,30 @@ class _nothing:
         return False
 
 
-def make_trainer(args_ns, sp, out_dir, steps, train, evaluation, **extra):
+def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
     ds = None
-    if args_ns.stage is not None:
+    if case.stage is not None:
         ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
               "train_batch_size": "auto", "gradient_clipping": "auto",
-              "zero_optimization": {"stage": args_ns.stage}, "zero_allow_untested_optimizer": True}
-        if args_ns.section:
-            ds["ringseq"] = {"sp_size": args_ns.sp}
+              "zero_optimization": {"stage": case.stage}, "zero_allow_untested_optimizer": True}
+        if case.section:
+            ds["ringseq"] = {"sp_size": case.sp}
     targs = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
-                              gradient_accumulation_steps=args_ns.gas, max_steps=steps, learning_rate=LR,
+                              gradient_accumulation_steps=case.gas, max_steps=steps, learning_rate=LR,
                               lr_scheduler_type="constant", optim="sgd", optim_args=f"momentum={MOMENTUM}",
                               max_grad_norm=CLIP, weight_decay=0.0,
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
-                              gradient_checkpointing=args_ns.checkpointing, **extra)
+                              gradient_checkpointing=case.checkpointing, **extra)
     # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned; on CPU
     # TrainingArguments(use_cpu=True) does not start DeepSpeed's comm layer, which zero.Init needs
-    if args_ns.pretrained:
+    if case.pretrained:
         ringseq.join_deepspeed()
-    model = LlamaForCausalLM.from_pretrained(args_ns.pretrained) if args_ns.pretrained else tiny_llama()
+    model = LlamaForCausalLM.from_pretrained(case.pretrained) if case.pretrained else tiny_llama()
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
-                           sp=None if args_ns.section else sp)
+                           sp=None if case.section else sp)
 
 
 def stock_trainer_is_refused(sp, train):
@@ -143,61 +143,78 @@ def stock_trainer_is_refused(sp, train):
         raise AssertionError("a stock Trainer trained a patched model on different batches per rank")
 
 
+CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing"}
+
+
+def parse_case(text: str, sp_size: int, gas: int) -> argparse.Namespace:
+    """``stage=3,resume,section`` -> a namespace with every case key (absent: None / False)."""
+    case = argparse.Namespace(stage=None, section=False, resume=False, pretrained=False, checkpointing=False,
+                              sp=sp_size, gas=gas)
+    for item in filter(None, text.split(",")):
+        key, _, value = item.partition("=")
+        if key not in CASE_KEYS:
+            raise SystemExit(f"unknown case key {key!r} in {text!r}; known: {sorted(CASE_KEYS)}")
+        setattr(case, key, int(value) if key == "stage" else True)
+    return case
+
+
+def run_case(case, sp, out_dir: str) -> None:
+    rank = dist.get_rank()
+    dp, steps = sp.dp_size, 3
+    train, evaluation = samples(steps * case.gas * dp, seed=1), samples(2 * dp, seed=2)
+    if case.pretrained:
+        case.pretrained = os.path.join(out_dir, "pretrained")
+        if rank == 0:
+            tiny_llama().save_pretrained(case.pretrained)
+        dist.barrier()
+    trainer = make_trainer(case, sp, out_dir, steps, train, evaluation)
+    trainer.train()
+    got = params_of(trainer)
+    eval_loss = trainer.evaluate()["eval_loss"]
+    seen = trainer.state.num_input_tokens_seen
+    assert seen == steps * case.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * case.gas * dp * S}"
+
+    what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage}"
+    plain = reference_steps(tiny_llama(), train, case.gas * dp, steps)
+    exact = reference_steps(tiny_llama().double(), train, case.gas * dp, steps)
+    start = dict(tiny_llama().named_parameters())
+    assert_updates_close(got, named(plain), named(exact), start, f"{what}: parameter updates")
+    want = [reference_eval(m, evaluation, dp) for m in (plain, exact)]
+    assert_close(torch.tensor(eval_loss, dtype=torch.float32), want[0].float(), want[1], f"{what}: eval loss")
+    print(f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage} gas {case.gas}: "
+          f"parameters match, eval loss {eval_loss:.6f} matches", flush=True)
+    if case.resume:
+        dist.barrier()
+        resumed = make_trainer(case, sp, out_dir + "/resumed", steps, train, evaluation)
+        resumed.train(resume_from_checkpoint=os.path.join(out_dir, "checkpoint-1"))
+        again = params_of(resumed)
+        for name in got:
+            assert torch.equal(again[name], got[name]), \
+                f"rank {rank}: resumed {name} off by {(again[name] - got[name]).abs().max():.2e}"
+        print(f"rank {rank}: resumed from checkpoint-1: parameters match", flush=True)
+    dist.barrier()
+
+
 def main():
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description="run each case in turn, in one process group")
+    parser.add_argument("cases", nargs="*", default=[""],
+                        help="e.g. stage=2,resume  stage=3,resume,section,checkpointing  (none: DDP)")
     parser.add_argument("--sp", type=int, default=2)
-    parser.add_argument("--stage", type=int, default=None, help="DeepSpeed ZeRO stage; none: DDP")
     parser.add_argument("--gas", type=int, default=2)
-    parser.add_argument("--section", action="store_true", help='configure through the ds_config "ringseq" section')
-    parser.add_argument("--resume", action="store_true", help="also resume from checkpoint-1 and compare")
-    parser.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained")
-    parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (layers recomputed)")
     parser.add_argument("--stock-first", action="store_true",
                         help="first check that a stock transformers.Trainer on a patched model is refused")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
 
     sp = ringseq.init(sp_size=args.sp)  # before TrainingArguments: Accelerate must find the process group
-    rank = dist.get_rank()
-    dp, steps = sp.dp_size, 3
-    train, evaluation = samples(steps * args.gas * dp, seed=1), samples(2 * dp, seed=2)
     if args.stock_first:
-        stock_trainer_is_refused(sp, train)
-    with tempfile.TemporaryDirectory() as tmp:
-        out_dir = [tmp]
-        dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)
-        if args.pretrained:
-            args.pretrained = os.path.join(out_dir[0], "pretrained")
-            if rank == 0:
-                tiny_llama().save_pretrained(args.pretrained)
+        stock_trainer_is_refused(sp, samples(4, seed=1))
+    for n, text in enumerate(args.cases):
+        with tempfile.TemporaryDirectory() as tmp:
+            out_dir = [tmp]
+            dist.broadcast_object_list(out_dir, src=0)  # one directory for all ranks (checkpoints)
+            run_case(parse_case(text, args.sp, args.gas), sp, out_dir[0])
             dist.barrier()
-        trainer = make_trainer(args, sp, out_dir[0], steps, train, evaluation)
-        trainer.train()
-        got = params_of(trainer)
-        eval_loss = trainer.evaluate()["eval_loss"]
-        seen = trainer.state.num_input_tokens_seen
-        assert seen == steps * args.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * args.gas * dp * S}"
-
-        what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {args.stage}"
-        plain = reference_steps(tiny_llama(), train, args.gas * dp, steps)
-        exact = reference_steps(tiny_llama().double(), train, args.gas * dp, steps)
-        start = dict(tiny_llama().named_parameters())
-        assert_updates_close(got, named(plain), named(exact), start, f"{what}: parameter updates")
-        want = [reference_eval(m, evaluation, dp) for m in (plain, exact)]
-        assert_close(torch.tensor(eval_loss, dtype=torch.float32), want[0].float(), want[1], f"{what}: eval loss")
-        print(f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {args.stage} gas {args.gas}: "
-              f"parameters match, eval loss {eval_loss:.6f} matches", flush=True)
-
-        if args.resume:
-            dist.barrier()
-            resumed = make_trainer(args, sp, out_dir[0] + "/resumed", steps, train, evaluation)
-            resumed.train(resume_from_checkpoint=os.path.join(out_dir[0], "checkpoint-1"))
-            again = params_of(resumed)
-            for name in got:
-                assert torch.equal(again[name], got[name]), \
-                    f"rank {rank}: resumed {name} off by {(again[name] - got[name]).abs().max():.2e}"
-            print(f"rank {rank}: resumed from checkpoint-1: parameters match", flush=True)
-        dist.barrier()
     dist.destroy_process_group()
 
 
