@@ -109,11 +109,15 @@ def main(argv=None) -> None:
             optimizers[name].step()
             log["losses"][name].append(loss.item())
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.steps:
+            # who the ring waited for since the last evaluation (rank 0 also runs the unpatched twin)
+            report = ringseq.stats(sp=sp, reset=True)
+            log.setdefault("stats", []).append(report)
             log["eval_steps"].append(step + 1)
             for name, model in models.items():
                 log["accuracy"][name].append(accuracy(model, sp, evaluation, positions[name]))
         bar.set_postfix(ring=f"{log['losses']['ring'][-1]:.3f}", cut=f"{log['losses']['cut'][-1]:.3f}",
-                        acc=f"{log['accuracy']['ring'][-1]:.0%}" if log["eval_steps"] else "-")
+                        acc=f"{log['accuracy']['ring'][-1]:.0%}" if log["eval_steps"] else "-",
+                        slowest=f"r{log['stats'][-1]['slowest_rank']}" if log.get("stats") else "-")
     seconds = time.perf_counter() - start - twin_seconds
 
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])

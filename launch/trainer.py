@@ -34,6 +34,7 @@ import transformers
 from ringseq.config import from_ds_config, from_env
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
+from ringseq.stats import stats
 
 from .accelerate_glue import prepare_accelerator
 from .deepspeed_glue import load_ds_config
@@ -104,6 +105,16 @@ class SequenceParallelMixin:
             m = multiple(self.sp.layout, self.sp.ring_size, self.sp.ulysses_size)
             current = collator.pad_to_multiple_of or 1
             collator.pad_to_multiple_of = current * m // math.gcd(current, m)
+
+    def log(self, logs: dict, *args, **kwargs) -> None:
+        """Every log (all ranks log at the same steps) also reports the ring's straggler:
+        ``ringseq/slowest_rank`` (group rank the others waited for) and
+        ``ringseq/wait_for_slowest_s`` since the last log (``ringseq.stats``)."""
+        if self.sp.size > 1:
+            report = stats(sp=self.sp, reset=True)
+            logs = {**logs, "ringseq/slowest_rank": report["slowest_rank"],
+                    "ringseq/wait_for_slowest_s": round(report["wait_for_slowest_s"], 4)}
+        super().log(logs, *args, **kwargs)
 
     def _replica_loss(self, loss, num_items_in_batch):
         """The stock Trainers multiply a loss normalised by every replica's tokens by the number of

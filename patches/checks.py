@@ -81,8 +81,16 @@ def problems(model) -> list[str]:
     if mixers:
         found.append(f"sequence-mixing layers other than attention ({', '.join(mixers)}): a state-space, "
                      f"convolution or recurrent layer would mix only this rank's tokens")
+    bidirectional = [name for name, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
-        found.append("bidirectional attention")
+        found.append("bidirectional attention (ringseq patches causal decoders)")
+    elif bidirectional:
+        found.append(f"bidirectional attention in {', '.join(bidirectional[:3])}"
+                     f"{' ...' if len(bidirectional) > 3 else ''} (is_causal=False; ringseq patches causal decoders)")
+    chunk = getattr(config, "attention_chunk_size", None)
+    if chunk:
+        found.append(f"chunked attention (attention_chunk_size={chunk}, Llama 4: a query sees only the keys of its "
+                     f"own {chunk}-token chunk), which ringseq does not reproduce")
     local = _rope_types(config) & LOCAL_ROPE
     if local:
         found.append(f"rope scaling {sorted(local)} (it reads the largest local position id, which differs "

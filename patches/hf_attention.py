@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from ringseq import lockstep
 from ringseq.attention import ring_attention
 from ringseq.errors import RingSeqError
 
@@ -66,6 +67,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                            f"config.attention_dropout = 0.0")
     if not getattr(module, "is_causal", True):
         raise RingSeqError("bidirectional attention is not supported; ringseq patches causal decoders")
-    out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,
-                         softcap=softcap, sinks=s_aux, token_info=ringseq.info)
+    with lockstep.layer(getattr(module, "layer_idx", None)):
+        out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,
+                             softcap=softcap, sinks=s_aux, token_info=ringseq.info)
     return out.transpose(1, 2).contiguous(), None  # transformers wants [B, s, H, D]

@@ -19,6 +19,7 @@ from ringseq.batch import shard_batch
 from ringseq.errors import RingSeqError
 from ringseq.loss import CHUNK, IGNORE, chunked_cross_entropy, cross_entropy
 from ringseq.sharding import gather, shard
+from ringseq.topology import check_sp
 from ringseq.attention.masks import TokenInfo
 
 from . import checks
@@ -163,6 +164,10 @@ def patch(model, *, sp, chunked_loss: bool = True):
     reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
     patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
     """
+    check_sp(sp)
+    if not isinstance(model, torch.nn.Module):
+        raise RingSeqError(f"ringseq.patch takes a transformers model object, got {type(model).__name__}: load it "
+                           f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
     handle = getattr(model, "_ringseq_patch", None)
     if handle is not None:
         handle.sp, handle.chunked_loss = sp, chunked_loss

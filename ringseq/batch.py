@@ -14,10 +14,13 @@ import dataclasses
 import torch
 
 from .attention.masks import TokenInfo, documents
+from . import lockstep
 from .errors import RingSeqError
+from .lockstep import dtype_code
 from .layouts import multiple
 from .loss import IGNORE
 from .sharding import shard
+from .topology import check_sp
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
 
@@ -75,35 +78,72 @@ def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return TokenInfo(doc=doc, valid=valid)
 
 
-def _fingerprint(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """Shape and a position-weighted sum of the bits of each tensor: equal batches give equal
-    fingerprints on every rank; a different or reordered batch almost surely does not."""
-    parts = []
-    for t in tensors:
-        x = t.detach().reshape(-1)
-        if x.is_floating_point():  # embeddings: a strided sample of at most ~1M values is plenty
-            bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-            x = x[:: x.numel() // 2**20 + 1].view(bits)
-        weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
-        parts += [torch.tensor(list(t.shape), device=x.device).sum(), (x.long() * weights).sum()]
-    return torch.stack(parts)
+def _content(t: torch.Tensor) -> int:
+    """A position-weighted sum of a tensor's bits: equal tensors give equal values on every
+    rank; a different or reordered batch almost surely does not."""
+    x = t.detach().reshape(-1)
+    if x.is_floating_point():  # embeddings: a strided sample of at most ~1M values is plenty
+        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
+        x = x[:: x.numel() // 2**20 + 1].view(bits)
+    weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
+    return int((x.long() * weights).sum())
+
+
+def batch_record(batch: dict) -> dict[str, int]:
+    """What every rank of a sequence group must share about a full batch (a lockstep record)."""
+    fields = {}
+    for key in SEQUENCE_KEYS:
+        t = batch.get(key)
+        shape = list(t.shape) if torch.is_tensor(t) else []
+        fields[f"{key} dtype"] = dtype_code(t)
+        fields.update({f"{key}.shape[{i}]": n for i, n in enumerate((shape + [-1, -1])[:2])})
+        fields[f"{key} content"] = _content(t) if torch.is_tensor(t) else 0
+    return fields
+
+
+SAME_BATCH_HINT = ("every rank of a group must get the same full batch. A stock transformers.Trainer, trl.SFTTrainer "
+                   "or Accelerate dataloader shards the data over all processes: use ringseq.Trainer, "
+                   "ringseq.SFTTrainer or ringseq.prepare_accelerator, or shard it yourself over data-parallel "
+                   "replicas (sp.dp_rank of sp.dp_size)")
 
 
 def check_same_batch(batch: dict, sp) -> None:
     """Refuse when the ranks of a sequence group were handed different full batches (the usual
-    mistake: a dataloader sharded over all ranks instead of over data-parallel replicas)."""
-    import torch.distributed as dist
+    mistake: a dataloader sharded over all ranks instead of over data-parallel replicas), or a
+    tensor (labels, a mask) on some ranks only: one all-gather of a fixed-size record."""
+    lockstep.agree(sp, "batch", batch_record(batch), hint=SAME_BATCH_HINT)
 
-    mine = _fingerprint([batch[k] for k in SEQUENCE_KEYS if torch.is_tensor(batch.get(k))])
-    every = [torch.empty_like(mine) for _ in range(sp.size)]
-    dist.all_gather(every, mine, group=sp.group)
-    different = [r for r, other in enumerate(every) if not torch.equal(other, every[0])]
-    if different:
-        raise RingSeqError(f"the ranks of a sequence group hold different batches (group ranks {different} differ "
-                           f"from group rank 0): every rank of a group must get the same full batch. A stock "
-                           f"transformers.Trainer, trl.SFTTrainer or Accelerate dataloader shards the data over all "
-                           f"processes: use ringseq.Trainer, ringseq.SFTTrainer or ringseq.prepare_accelerator, or "
-                           f"shard it yourself over data-parallel replicas (sp.dp_rank of sp.dp_size)")
+
+def check_batch(batch: dict) -> None:
+    """Shapes and values of a full batch that ringseq reads one way only."""
+    tokens = batch.get("input_ids", batch.get("inputs_embeds"))
+    if tokens.dim() < 2:
+        raise RingSeqError(f"input_ids/inputs_embeds must be [batch, sequence, ...]; got shape {tuple(tokens.shape)} "
+                           f"(add a batch dimension: x[None])")
+    B, S = tokens.shape[:2]
+    if "input_ids" in batch and (batch["input_ids"].is_floating_point() or batch["input_ids"].dtype == torch.bool):
+        raise RingSeqError(f"input_ids must hold integer token ids, got {batch['input_ids'].dtype}")
+    for key in ("labels", "shift_labels"):
+        t = batch.get(key)
+        if torch.is_tensor(t) and (tuple(t.shape) != (B, S) or t.is_floating_point()):
+            raise RingSeqError(f"{key} must be integer token ids of shape [batch, sequence] = [{B}, {S}]; got "
+                               f"{t.dtype} {tuple(t.shape)}")
+    mask = batch.get("attention_mask")
+    if torch.is_tensor(mask):
+        if mask.dim() != 2:
+            raise RingSeqError(f"attention_mask must be the 2-D [batch, sequence] padding mask (1 = real token); got "
+                               f"a {mask.dim()}-D mask of shape {tuple(mask.shape)}. A custom 4-D mask cannot be split "
+                               f"over the ring: express packed documents with position_ids restarting at 0")
+        if tuple(mask.shape) != (B, S):
+            raise RingSeqError(f"attention_mask has shape {tuple(mask.shape)} but the tokens are [{B}, {S}]")
+        if bool(((mask != 0) & (mask != 1)).any()):
+            raise RingSeqError("attention_mask must hold only 0 (padding) and 1 (real token); got other values (an "
+                               "additive mask of 0/-inf, or document ids?): pass (mask == 0).long() for an additive "
+                               "mask, and packed documents as position_ids")
+    pos = batch.get("position_ids")
+    if torch.is_tensor(pos) and (pos.numel() not in (S, B * S) or pos.is_floating_point()):
+        raise RingSeqError(f"position_ids must be integers of shape [{B}, {S}] or [{S}]; got {pos.dtype} "
+                           f"{tuple(pos.shape)}")
 
 
 def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
@@ -122,7 +162,7 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     A length the layout cannot split is padded first (``pad_to_layout``; ``local["ringseq"].pad``
     says by how much): the real tokens' results are exact, and gathered per-token outputs have
     the padded length (the first S are the real tokens). Raises ``RingSeqError`` when the ranks
-    of the group were given different batches (checked by one all-gather of a fingerprint).
+    of the group were given different batches (checked by one all-gather of a fixed-size record, ``ringseq.lockstep``).
     """
     unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
     if unknown:
@@ -130,8 +170,9 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
     if tokens is None:
         raise RingSeqError("the batch needs input_ids or inputs_embeds")
-    if sp.size > 1:
-        check_same_batch(batch, sp)
+    check_sp(sp)
+    check_same_batch(batch, sp)  # first: every rank then raises the same errors below, or none
+    check_batch(batch)
     B, S = tokens.shape[:2]
     batch = {k: v for k, v in batch.items() if v is not None}
     if batch.get("position_ids") is None:

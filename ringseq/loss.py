@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from . import lockstep
+
 IGNORE = -100
 CHUNK = 4096  # tokens per slab of the chunked loss: bounds logits to CHUNK x vocab
 
@@ -24,7 +26,8 @@ def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torc
     once to ``dtype``, however the tokens were split."""
     total = local_sum.detach().clone()
     if sp.size > 1:
-        dist.all_reduce(total, group=sp.group)
+        work = dist.all_reduce(total, group=sp.group, async_op=True)
+        lockstep.wait(work, sp, "the all-reduce of the loss sums", peer=None)
     count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
     return ((local_sum + (total - local_sum.detach())) / count.clamp(min=1)).to(dtype)
 
@@ -38,7 +41,8 @@ def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 def _count(shift_labels: torch.Tensor, sp) -> torch.Tensor:
     n = (shift_labels != IGNORE).sum()
     if sp.size > 1:
-        dist.all_reduce(n, group=sp.group)
+        work = dist.all_reduce(n, group=sp.group, async_op=True)
+        lockstep.wait(work, sp, "the all-reduce of the label count", peer=None)
     return n
 
 

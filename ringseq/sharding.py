@@ -17,10 +17,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from . import lockstep
+from .errors import RingSeqError
 from .layouts import check_length, gather_order, segments, sp_positions
+from .topology import check_sp
 
 
-def _dim(x: torch.Tensor, dim: int) -> int:
+def _dim(x, dim) -> int:
+    """``dim`` as a non-negative index of x's dimensions; out of range is an error, not a wrap."""
+    if not torch.is_tensor(x):
+        raise RingSeqError(f"expected a torch.Tensor, got {type(x).__name__} (stack lists with torch.stack)")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise RingSeqError(f"dim={dim!r} is not a dimension of a {x.dim()}-D tensor of shape {tuple(x.shape)}: "
+                           f"pass an integer in [{-x.dim()}, {x.dim() - 1}] (the sequence dimension)")
     return dim % x.dim()
 
 
@@ -37,10 +46,11 @@ def shard_tensor(x: torch.Tensor, dim: int, layout: str, P: int, r: int, U: int 
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
-def _all_gather(local: torch.Tensor, dim: int, group, P: int) -> torch.Tensor:
+def _all_gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
     local = local.contiguous()
-    pieces = [torch.empty_like(local) for _ in range(P)]
-    dist.all_gather(pieces, local, group=group)
+    pieces = [torch.empty_like(local) for _ in range(sp.size)]
+    work = dist.all_gather(pieces, local, group=sp.group, async_op=True)
+    lockstep.wait(work, sp, f"the all-gather of a {tuple(local.shape)} shard (ringseq.gather)", peer=None)
     return torch.cat(pieces, dim)
 
 
@@ -48,16 +58,17 @@ class _Gather(torch.autograd.Function):
     """Forward: all-gather over the sequence group. Backward: keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx, local, dim, layout, P, U, r, group):
+    def forward(ctx, local, dim, sp):
+        layout, P, U, r = sp.layout, sp.ring_size, sp.ulysses_size, sp.rank
         ctx.meta = (dim, layout, P, r, U)
         S = local.size(dim) * P * U
-        joined = _all_gather(local, dim, group, P * U)
+        joined = _all_gather(local, dim, sp)
         return joined.index_select(dim, gather_order(layout, S, P, U).to(local.device))
 
     @staticmethod
     def backward(ctx, grad):
         dim, layout, P, r, U = ctx.meta
-        return shard_tensor(grad, dim, layout, P, r, U), None, None, None, None, None, None
+        return shard_tensor(grad, dim, layout, P, r, U), None, None
 
 
 def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
@@ -65,12 +76,17 @@ def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
 
     Raises ``RingSeqError`` if the length along ``dim`` cannot be split by the layout.
     """
-    return shard_tensor(x, dim, sp.layout, sp.ring_size, sp.rank, sp.ulysses_size)
+    check_sp(sp)
+    return shard_tensor(x, _dim(x, dim), sp.layout, sp.ring_size, sp.rank, sp.ulysses_size)
 
 
 def gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
     """This rank's slice -> the full tensor, in global order (inverse of ``shard``)."""
+    check_sp(sp)
     dim = _dim(local, dim)
     if sp.size == 1:
         return local
-    return _Gather.apply(local, dim, sp.layout, sp.ring_size, sp.ulysses_size, sp.rank, sp.group)
+    shape = (list(local.shape) + [-1] * 4)[:4]
+    lockstep.agree(sp, "gather", {"dim": dim, "dims": local.dim(), "dtype": lockstep.dtype_code(local),
+                                  **{f"shape[{i}]": n for i, n in enumerate(shape)}})
+    return _Gather.apply(local, dim, sp)

@@ -30,11 +30,21 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
         if job is None:
             break
         fn, args, kwargs = job
+        _fresh_lockstep()
         try:
             results.put((rank, None, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - the traceback travels to the parent
             results.put((rank, traceback.format_exc(), None))
     dist.destroy_process_group()
+
+
+def _fresh_lockstep() -> None:
+    """Every job starts all ranks at the same point: forget the previous job's collective
+    counts (a test that has only some ranks call ringseq leaves them apart on purpose)."""
+    from . import lockstep
+
+    lockstep._counters.clear()
+    lockstep._failed.clear()
 
 
 class DistPool:
@@ -53,10 +63,16 @@ class DistPool:
 
     def run(self, fn, *args, **kwargs) -> list:
         """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results."""
+        return self.run_expecting(range(self.world_size), fn, *args, **kwargs)
+
+    def run_expecting(self, ranks, fn, *args, **kwargs) -> list:
+        """Run ``fn`` on every rank but wait only for ``ranks`` (the others are meant to die or
+        hang); their results, None for the others."""
         for q in self._jobs:
             q.put((fn, args, kwargs))
+        ranks = list(ranks)
         out, failures = [None] * self.world_size, []
-        for _ in range(self.world_size):
+        for _ in ranks:
             # once a rank has failed, the others may wait forever on a collective it skipped
             timeout = self.grace if failures else self.timeout
             try:

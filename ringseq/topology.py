@@ -11,6 +11,7 @@ as torch.distributed requires.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -61,6 +62,21 @@ class SequenceParallel:
     """Seconds any ringseq wait may take before it raises ``RingSeqError``."""
     mpu: object
     """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
+    check_group: dist.ProcessGroup | None = None
+    """A CPU (gloo) group over the ranks of ``group``, for the lockstep records
+    (``ringseq.lockstep``); ``group`` itself unless that is NCCL."""
+
+    @property
+    def nccl(self) -> bool:
+        return self.check_group is not self.group
+
+
+def check_sp(sp) -> None:
+    if not isinstance(sp, SequenceParallel):
+        from .errors import RingSeqError
+
+        raise RingSeqError(f"sp must be the SequenceParallel that ringseq.init returned, got {type(sp).__name__}: "
+                           f"sp = ringseq.init(sp_size=...) once per process, then pass sp=sp")
 
 
 def grid(world: int, sp_size: int, ulysses_size: int) -> torch.Tensor:
@@ -80,26 +96,28 @@ def sequence_lists(ranks: torch.Tensor) -> list[list[int]]:
     return ranks.reshape(ranks.size(0), -1).tolist()
 
 
-def _group(ranks, made: dict):
+def _group(ranks, made: dict, **options):
     """The group of these ranks: the world group for all of them, else one made once per
     ``init`` (every gloo group keeps its own connections and threads, so none is made twice)."""
     ranks = tuple(ranks)
-    if ranks == tuple(range(dist.get_world_size())):
+    if ranks == tuple(range(dist.get_world_size())) and not options.get("backend"):
         return dist.group.WORLD
-    if ranks not in made:
+    key = (ranks, options.get("backend"))
+    if key not in made:
         if len(ranks) == 1:  # a group of one: only its member needs to take part
             me = dist.get_rank()
-            made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True) if ranks == (me,) else None
+            made[key] = (dist.new_group(list(ranks), use_local_synchronization=True, **options)
+                         if ranks == (me,) else None)
         else:
-            made[ranks] = dist.new_group(list(ranks))
-    return made[ranks]
+            made[key] = dist.new_group(list(ranks), **options)
+    return made[key]
 
 
-def _build_groups(lists: list[list[int]], me: int, made: dict):
+def _build_groups(lists: list[list[int]], me: int, made: dict, **options):
     """Create one group per rank list (every rank calls for every list); return mine."""
     mine = None
     for ranks in lists:
-        group = _group(ranks, made)
+        group = _group(ranks, made, **options)
         if me in ranks:
             mine = (group, tuple(ranks))
     return mine
@@ -126,19 +144,23 @@ def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *, timeout
     coord = [int(c) for c in (ranks == me).nonzero()[0]]
 
     made: dict = {}
-    group, seq_ranks = _build_groups(sequence_lists(ranks), me, made)
+    bound = {"timeout": datetime.timedelta(seconds=config.resolved_timeout())}  # NCCL's watchdog honours it
+    group, seq_ranks = _build_groups(sequence_lists(ranks), me, made, **bound)
     dp_group, dp_ranks = _build_groups(axis_lists(ranks, "data"), me, made)
-    ring_group, ring_ranks = _build_groups(axis_lists(ranks, "ring"), me, made)
+    ring_group, ring_ranks = _build_groups(axis_lists(ranks, "ring"), me, made, **bound)
     if ulysses_size > 1:
-        ulysses_group, uly_ranks = _build_groups(axis_lists(ranks, "ulysses"), me, made)
+        ulysses_group, uly_ranks = _build_groups(axis_lists(ranks, "ulysses"), me, made, **bound)
     else:
         ulysses_group, uly_ranks = None, (me,)
+    check_group = group
+    if dist.get_backend() != "gloo":  # lockstep records are CPU integers: they travel by gloo
+        check_group, _ = _build_groups(sequence_lists(ranks), me, made, backend="gloo", **bound)
     fields = dict(
         group=group, rank=seq_ranks.index(me), size=sp_size, ranks=seq_ranks,
         dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=ranks.size(0), layout=layout,
         ring_group=ring_group, ring_rank=coord[1], ring_size=ranks.size(1), ring_ranks=ring_ranks,
         ulysses_group=ulysses_group, ulysses_rank=uly_ranks.index(me), ulysses_size=ulysses_size,
-        grad_group=dist.group.WORLD, timeout=config.resolved_timeout())
+        grad_group=dist.group.WORLD, timeout=config.resolved_timeout(), check_group=check_group)
     mpu = SequenceParallelMPU(**{k: fields[k] for k in (
         "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
     return SequenceParallel(**fields, mpu=mpu)

@@ -9,7 +9,9 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.sharding import gather
 
-from .checks import check_features, check_shapes, check_token_info
+from ringseq import lockstep
+
+from .checks import call_record, check_features, check_shapes, check_sp, check_tensors, check_token_info, dtype_code
 from .masks import TokenInfo, documents
 from .ring import RingAttention, RingOptions
 from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
@@ -32,6 +34,11 @@ def token_info(sp, position_ids: torch.Tensor | None = None,
         if not bool(doc.any()):
             doc = None  # one document per sample: nothing to mask
     if attention_mask is not None:
+        if attention_mask.dim() > 2 or bool(((attention_mask != 0) & (attention_mask != 1)).any()):
+            raise RingSeqError(f"attention_mask must be this rank's shard of the 2-D [batch, sequence] padding mask "
+                               f"holding 0 (padding) and 1 (real token); got shape {tuple(attention_mask.shape)}"
+                               f"{'' if attention_mask.dim() > 2 else ' with other values'}. Express packed "
+                               f"documents with position_ids restarting at 0")
         valid = gather(attention_mask.reshape(-1, attention_mask.size(-1)).long(), -1, sp=sp).bool()
         if bool(valid.all()):
             valid = None
@@ -67,14 +74,49 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     q/k and a bf16 v), and the ring itself runs with autocast off: it merges and accumulates in
     fp32 on purpose.
     """
-    device = q.device.type
-    if torch.is_autocast_enabled(device):
+    device = q.device.type if torch.is_tensor(q) else "cpu"
+    if torch.is_tensor(q) and torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (q, k, v))
         with torch.autocast(device, enabled=False):
             return ring_attention(q, k, v, sp=sp, causal=causal, scale=scale, position_ids=position_ids, window=window,
                                   softcap=softcap, sinks=sinks, attention_mask=attention_mask, token_info=token_info,
                                   kernel=kernel, slab_rows=slab_rows)
+    check_sp(sp)
+    fields = call_record(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                         position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
+                         kernel=kernel, slab_rows=slab_rows)
+    number = lockstep.agree(sp, "ring_attention forward", fields)  # before anything can fail on one rank only
+    label = f"ring_attention #{number}" + (f" (layer {lockstep.current_layer()})" if lockstep.current_layer() >= 0 else "")
+    try:
+        out = _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask,
+                              token_info, kernel, slab_rows, label)
+    except BaseException:
+        lockstep.mark_failed(sp, True)
+        raise
+    return AgreeInBackward.apply(out, sp, fields, lockstep.current_layer()) if out.requires_grad else out
+
+
+class AgreeInBackward(torch.autograd.Function):
+    """Identity on the output whose backward agrees the call's backward across the group first,
+    before any of its all-to-alls or ring transfers (a rank that skipped a backward, or runs a
+    different one, makes every rank raise)."""
+
+    @staticmethod
+    def forward(ctx, out, sp, fields, layer):
+        ctx.sp, ctx.fields, ctx.layer = sp, fields, layer
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        with lockstep.layer(ctx.layer):
+            lockstep.agree(ctx.sp, "ring_attention backward", {**ctx.fields, "grad dtype": dtype_code(grad)})
+        return grad, None, None, None
+
+
+def _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info,
+                    kernel, slab_rows, label):
+    check_tensors(q, k, v, sinks)
     check_shapes(q, k, v, sp)
     check_features(q, causal, window, softcap, sinks)
     if token_info is None:
@@ -86,7 +128,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
-                       softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows)
+                       softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,
+                       sp=sp, label=label)
     U = sp.ulysses_size
     if U == 1:
         return RingAttention.apply(q, k, v, sinks, opts)
@@ -97,9 +140,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     if sinks is not None:
         h = H // U
         sinks = sinks[sp.ulysses_rank * h:(sp.ulysses_rank + 1) * h]
-    q, k, v = (SeqToHeads.apply(t, sp.ulysses_group, U) for t in (q, k, v))
+    q, k, v = (SeqToHeads.apply(t, sp) for t in (q, k, v))
     out = RingAttention.apply(q, k, v, sinks, opts)
-    return HeadsToSeq.apply(out, sp.ulysses_group, U)
+    return HeadsToSeq.apply(out, sp)
 
 
 def _token_info_or_none(sp, position_ids, attention_mask) -> TokenInfo:

@@ -6,6 +6,9 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
+from ringseq.lockstep import KERNELS, dtype_code, float_bits
+from ringseq.topology import check_sp  # noqa: F401 - part of the checks' interface
+
 from .masks import TokenInfo
 
 
@@ -50,3 +53,61 @@ def check_token_info(info: TokenInfo, B: int, S: int) -> None:
             raise RingSeqError(f"token_info.{name} has shape {tuple(value.shape)} but the sequence group holds "
                                f"batch {B} x {S} tokens; build it with ringseq.token_info from this batch's "
                                f"position_ids/attention_mask shards")
+
+
+def check_tensors(q, k, v, sinks) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v), ("sinks", sinks)):
+        if name == "sinks" and t is None:
+            continue
+        if not torch.is_tensor(t):
+            raise RingSeqError(f"{name} must be a torch.Tensor, got {type(t).__name__} (stack lists with torch.stack)")
+        if not t.is_floating_point():
+            raise RingSeqError(f"{name} must be a floating-point tensor (attention of integer or bool values is not "
+                               f"defined), got {t.dtype}")
+
+
+def tensor_fields(name: str, t) -> dict[str, int]:
+    """dtype, dimensions and the first four sizes of a tensor (or of nothing) for a record."""
+    shape = list(t.shape) if torch.is_tensor(t) else []
+    fields = {f"{name} dtype": dtype_code(t), f"{name} dims": len(shape) if torch.is_tensor(t) else -1}
+    fields.update({f"{name}.shape[{i}]": n for i, n in enumerate((shape + [-1] * 4)[:4])})
+    return fields
+
+
+def _number_bits(x) -> int:
+    try:
+        return float_bits(x)
+    except (TypeError, ValueError):
+        return -3
+
+
+def call_record(q, k, v, *, causal, scale, window, softcap, sinks, position_ids, attention_mask, token_info,
+                kernel, slab_rows) -> dict[str, int]:
+    """Everything about a ``ring_attention`` call that every rank of the group must share."""
+    fields = {**tensor_fields("q", q), **tensor_fields("k", k), **tensor_fields("v", v)}
+    fields.update({
+        "causal": int(bool(causal)), "scale": _number_bits(scale), "window": _number_bits(window),
+        "softcap": _number_bits(softcap), "sinks": dtype_code(sinks),
+        "kernel": -1 if kernel is None else (KERNELS.index(kernel) if kernel in KERNELS else 99),
+        "slab_rows": -1 if slab_rows is None else _number_bits(slab_rows),
+        **tensor_fields("position_ids", position_ids), **tensor_fields("attention_mask", attention_mask),
+        "token_info": -1 if token_info is None else token_checksum(token_info),
+    })
+    return fields
+
+
+def token_checksum(info) -> int:
+    """Shapes and a position-weighted sum of the documents and padding (once per TokenInfo)."""
+    if not isinstance(info, TokenInfo):
+        return -3
+    if "checksum" not in info._cache:
+        total = 0
+        for t in (info.doc, info.valid):
+            if t is None:
+                total = (total * 31 + 7) % 2**61
+                continue
+            x = t.reshape(-1).long()
+            weights = torch.arange(x.numel()) % 65521 + 1
+            total = (total * 31 + hash(tuple(t.shape)) + int((x * weights).sum())) % 2**61
+        info._cache["checksum"] = total
+    return info._cache["checksum"]

@@ -1,44 +1,68 @@
 """Point-to-point ring transfers in global ranks (torch.distributed; gloo or NCCL).
 
 A transfer is posted before the block it overlaps is computed, and waited on after; there
-is no barrier and no device synchronize inside the ring loop.
+is no barrier and no device synchronize inside the ring loop. Every transfer also carries a
+one-integer status (0: fine, 1: the sender or a rank before it failed during this call), so a
+rank whose block kernel raised still completes the ring's transfers and its peers learn of
+the failure instead of computing on with a stale block (``ringseq.attention.ring``). Waits are
+bounded by ``sp.timeout`` (``ringseq.lockstep.wait``).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+from ringseq import lockstep
 
 
 class RingComm:
     """Send to the next rank of the ring, receive from the previous one.
 
-    ``ranks`` are the global ranks of the ring in ring order; ``me`` is this rank's index.
+    ``ranks`` are the global ranks of the ring in ring order; ``me`` is this rank's index;
+    ``sp`` gives the timeout; ``label`` names the call in errors; ``ledger`` (``ringseq.stats``)
+    gets the time spent waiting.
     """
 
-    def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int):
-        self.group, self.ranks, self.me = group, ranks, me
+    def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, sp, label: str, ledger, device):
+        self.group, self.ranks, self.me, self.sp, self.label, self.ledger = group, ranks, me, sp, label, ledger
+        self.status = torch.zeros(1, dtype=torch.int64, device=device)
+        """1 once this rank failed or heard of a failure during this call (sent with every transfer)."""
 
-    def post(self, tensors: list[torch.Tensor], shift: int = 1) -> "Transfer":
-        """Start sending ``tensors`` to the rank ``shift`` places ahead (the next one by
-        default) and receiving same-shaped ones from the rank ``shift`` places behind.
-        Returns a handle; its ``wait()`` gives the received tensors."""
+    def fail(self) -> None:
+        self.status.fill_(1)
+
+    def post(self, tensors: list[torch.Tensor], step: int, shift: int = 1) -> "Transfer":
+        """Start sending ``tensors`` (and the status) to the rank ``shift`` places ahead (the
+        next one by default) and receiving same-shaped ones from the rank ``shift`` places
+        behind. Returns a handle; its ``wait()`` gives the received tensors."""
         P = len(self.ranks)
         to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
-        sends = [t.contiguous() for t in tensors]
+        sends = [t.contiguous() for t in tensors] + [self.status.clone()]
         recvs = [torch.empty_like(t) for t in sends]
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recvs]
-        return Transfer(dist.batch_isend_irecv(ops), recvs, sends)
+        return Transfer(self, dist.batch_isend_irecv(ops), recvs, sends, step, frm)
+
+    def failed(self) -> bool:
+        """Whether this rank or any rank before it failed during this call (one flag read)."""
+        return bool(self.status.item())
 
 
 class Transfer:
-    def __init__(self, works, received, sent):
-        self._works = works
-        self._received = received
-        self._sent = sent  # keep the send buffers alive until the transfer is done
+    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int):
+        self._comm, self._works, self._received, self._sent = comm, works, received, sent
+        self._step, self._peer = step, peer  # the send buffers stay alive until the transfer is done
 
     def wait(self) -> list[torch.Tensor]:
+        comm = self._comm
+        start = time.perf_counter()
+        what = f"ring step {self._step + 1} of {comm.label}: the block from global rank {self._peer}"
         for work in self._works:
-            work.wait()
+            lockstep.wait(work, comm.sp, what, peer=self._peer)
+        comm.ledger.wait_s += time.perf_counter() - start
         self._sent = None
-        return self._received
+        *received, status = self._received
+        torch.maximum(comm.status, status, out=comm.status)
+        return received

@@ -22,9 +22,14 @@ that log-sum-exp is exact; their own gradient is -sum_i p_sink(i) * <dout_i, out
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 import torch.distributed as dist
+
+from ringseq import lockstep
+from ringseq.errors import RingSeqError
+from ringseq.stats import Clock, ledger
 
 from .comm import RingComm
 from .kernels import BlockSpec, select
@@ -49,6 +54,10 @@ class RingOptions:
     info: TokenInfo = dataclasses.field(default_factory=TokenInfo)
     slab_rows: int | None = None
     """Query rows per kernel slab (None: each backend's default)."""
+    sp: object = None
+    """The ``SequenceParallel`` (timeout, stats ledger)."""
+    label: str = "ring_attention"
+    """The call in errors: its lockstep number and layer."""
 
     @property
     def P(self) -> int:
@@ -67,7 +76,38 @@ class _Schedule:
         # one backend per kind of call, chosen (or a forced one checked) only for calls that occur
         kinds = {pc.masked for step in self.plan for pc in step}
         self.kernels = {m: select(q, opts.kernel, masked=m, softcap=capped) for m in kinds}
-        self.comm = RingComm(opts.group, opts.ranks, opts.r) if self.steps > 1 else None
+        self.comm = None
+        self.clock = Clock(ledger(opts.sp))
+        if self.steps > 1:
+            self.comm = RingComm(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock.book, q.device)
+        self.error: BaseException | None = None
+        """The exception this rank's block compute raised; the ring's transfers go on without compute."""
+
+    def compute(self, t: int, work) -> None:
+        """Run ``work(call, kernel, spec)`` for every call of step t, unless this rank failed
+        already; a failure is kept (and flagged to the peers) until the ring has finished."""
+        if self.error is not None:
+            return
+        start = time.perf_counter()
+        try:
+            for call, kernel, spec in self.calls(t):
+                work(call, kernel, spec)
+        except Exception as exc:  # noqa: BLE001 - re-raised by finish(), after the peers were told
+            self.error = exc
+            if self.comm is not None:
+                self.comm.fail()
+        self.clock.time("compute_s", start)
+
+    def finish(self) -> None:
+        """Raise this rank's own failure, or a peer's, now that every transfer is done."""
+        self.clock.book.calls += 1
+        if self.error is not None:
+            lockstep.mark_failed(self.opts.sp, True)
+            raise self.error
+        if self.comm is not None and self.comm.failed():
+            lockstep.mark_failed(self.opts.sp, True)
+            raise RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
+                               f"see that rank's error): this rank stops too instead of using its blocks")
 
     def calls(self, t: int):
         """(call, kernel, spec) for ring step t."""
@@ -114,18 +154,23 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
     acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
     kv = (k.contiguous(), v.contiguous())
+
+    def work(call, kernel, spec):
+        nonlocal out_acc, lse_acc, aux
+        o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows], spec)
+        aux = aux if aux is not None else a
+        if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
+            out_acc, lse_acc = o.to(acc), l.to(LSE)
+            return
+        out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
+        _merge(out_acc, lse_acc, call.q_rows, o, l)
+
     for t in range(sched.steps):
-        pending = sched.comm.post(list(kv)) if t < sched.steps - 1 else None
-        for call, kernel, spec in sched.calls(t):
-            o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows], spec)
-            aux = aux if aux is not None else a
-            if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
-                out_acc, lse_acc = o.to(acc), l.to(LSE)
-                continue
-            out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
-            _merge(out_acc, lse_acc, call.q_rows, o, l)
+        pending = sched.comm.post(list(kv), t) if t < sched.steps - 1 else None
+        sched.compute(t, work)
         if pending is not None:
             kv = tuple(pending.wait())
+    sched.finish()
     out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
     if sinks is not None:
         _fold_sinks(out_acc, lse_acc, sinks)
@@ -134,6 +179,7 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
 
 def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
+    opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
     sched = _Schedule(q, opts)
     acc = acc_dtype(q)
     dout = dout.contiguous()
@@ -142,27 +188,31 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     kv, travelling = (k.contiguous(), v.contiguous()), None
+
+    def work(call, kernel, spec):
+        qr, kr = call.q_rows, call.k_rows
+        gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
+                                     out[:, :, qr], lse_b[:, :, qr], aux, spec)
+        dq[:, :, qr] += gq
+        dk[:, :, kr] += gk
+        dv[:, :, kr] += gv
+
     for t in range(sched.steps):
         last = t == sched.steps - 1
-        pending_kv = None if last else sched.comm.post(list(kv))
+        pending_kv = None if last else sched.comm.post(list(kv), t)
         dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
         dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
-        for call, kernel, spec in sched.calls(t):
-            qr, kr = call.q_rows, call.k_rows
-            gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                                         out[:, :, qr], lse_b[:, :, qr], aux, spec)
-            dq[:, :, qr] += gq
-            dk[:, :, kr] += gk
-            dv[:, :, kr] += gv
+        sched.compute(t, work)
         if travelling is not None:  # block j's accumulators, from the rank that held it before
             dk_in, dv_in = travelling.wait()
             dk += dk_in
             dv += dv_in
         if not last:
-            travelling = sched.comm.post([dk, dv])
+            travelling = sched.comm.post([dk, dv], t)
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], shift=-(sched.steps - 1)).wait()
+        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1)).wait()
+    sched.finish()
     dsinks = None
     if sinks is not None:
         # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])

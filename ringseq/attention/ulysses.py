@@ -10,27 +10,31 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ringseq import lockstep
 from ringseq.errors import RingSeqError
 
 
-def _all_to_all(x: torch.Tensor, group) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, sp) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty_like(x)  # after contiguous(): empty_like keeps a permuted input's strides
-    dist.all_to_all_single(out, x, group=group)
+    work = dist.all_to_all_single(out, x, group=sp.ulysses_group, async_op=True)
+    lockstep.wait(work, sp, f"the Ulysses all-to-all of {tuple(x.shape)}", peer=None)
     return out
 
 
-def _seq_to_heads(x, group, U):
+def _seq_to_heads(x, sp):
+    U = sp.ulysses_size
     B, HU, s, D = x.shape
     parts = x.reshape(B, U, HU // U, s, D).transpose(0, 1)      # [U, B, h, s, D]: part u goes to rank u
-    got = _all_to_all(parts, group)                              # [U, B, h, s, D]: part u came from rank u
+    got = _all_to_all(parts, sp)                                 # [U, B, h, s, D]: part u came from rank u
     return got.permute(1, 2, 0, 3, 4).reshape(B, HU // U, U * s, D)
 
 
-def _heads_to_seq(y, group, U):
+def _heads_to_seq(y, sp):
+    U = sp.ulysses_size
     B, h, Us, D = y.shape
     parts = y.reshape(B, h, U, Us // U, D).permute(2, 0, 1, 3, 4)  # [U, B, h, s, D]: tokens of rank u
-    got = _all_to_all(parts, group)                                 # [U, B, h, s, D]: heads of rank u
+    got = _all_to_all(parts, sp)                                    # [U, B, h, s, D]: heads of rank u
     return got.transpose(0, 1).reshape(B, U * h, Us // U, D)
 
 
@@ -38,26 +42,26 @@ class SeqToHeads(torch.autograd.Function):
     """Forward: all-to-all sequence -> heads. Backward: all-to-all heads -> sequence."""
 
     @staticmethod
-    def forward(ctx, x, group, U):
-        ctx.group, ctx.U = group, U
-        return _seq_to_heads(x, group, U)
+    def forward(ctx, x, sp):
+        ctx.sp = sp
+        return _seq_to_heads(x, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_seq(grad, ctx.group, ctx.U), None, None
+        return _heads_to_seq(grad, ctx.sp), None
 
 
 class HeadsToSeq(torch.autograd.Function):
     """Forward: all-to-all heads -> sequence. Backward: all-to-all sequence -> heads."""
 
     @staticmethod
-    def forward(ctx, y, group, U):
-        ctx.group, ctx.U = group, U
-        return _heads_to_seq(y, group, U)
+    def forward(ctx, y, sp):
+        ctx.sp = sp
+        return _heads_to_seq(y, sp)
 
     @staticmethod
     def backward(ctx, grad):
-        return _seq_to_heads(grad, ctx.group, ctx.U), None, None
+        return _seq_to_heads(grad, ctx.sp), None
 
 
 def kv_replicas(H: int, K: int, U: int) -> int:

@@ -54,7 +54,8 @@ def head_dims(layout):
 
 
 def traffic(layout, dtype_name):
-    """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward."""
+    """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward; each
+    transfer also carries the 8-byte status integer (a peer's failure, ``ringseq.attention.comm``)."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     dtype = DTYPES[dtype_name]
@@ -76,10 +77,11 @@ def traffic(layout, dtype_name):
     finally:
         dist.batch_isend_irecv = real
     block = B * K * s * D
-    kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size()
+    status = 8
+    kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size() + status
     assert forward_steps == [kv_bytes] * (world - 1), (forward_steps, kv_bytes)
     backward_steps = sorted(sent[len(forward_steps):])
-    expected = sorted([kv_bytes] * (world - 1) + ([2 * block * 4] * world if world > 1 else []))
+    expected = sorted([kv_bytes] * (world - 1) + ([2 * block * 4 + status] * world if world > 1 else []))
     assert backward_steps == expected, (backward_steps, expected)
 
 

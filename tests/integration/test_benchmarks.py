@@ -18,9 +18,10 @@ def bench(script, *args, out):
 
 
 def test_attention_benchmark(tmp_path):
+    # DeepSpeed's Ulysses (--impls ulysses) is left out here: its start alone costs half a minute of CI
     records = bench("attention.py", "--lengths", "1024", "--kv-heads", "2", "--reps", "1", "--impls", "ringseq",
-                    "torch_ring", "ulysses", "sdpa", out=tmp_path)
-    assert [r["impl"] for r in records] == ["ringseq", "torch_ring", "ulysses", "sdpa"]
+                    "torch_ring", "sdpa", out=tmp_path)
+    assert [r["impl"] for r in records] == ["ringseq", "torch_ring", "sdpa"]
     assert all(r["max_err"] < SANE and r["fwd_bwd_ms"] > 0 and r["peak_mb"] >= 0 for r in records)
     assert (tmp_path / "attention.png").exists() and (tmp_path / "attention.jsonl").exists()
 

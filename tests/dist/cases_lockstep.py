@@ -1,0 +1,257 @@
+"""Ranks out of step: asymmetric calls, failures inside the ring, stopped and dead peers, the
+straggler report and misuse (``ringseq.lockstep``, ``ringseq.stats``)."""
+import os
+import signal
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq import lockstep
+from ringseq.attention import ring
+from ringseq.testing import shared_init
+
+from .cases import make_qkv
+
+B, H, K, D = 2, 4, 2, 16
+
+
+def _inputs(sp, s=16, dtype=torch.float32, seed=0):
+    q, k, v, dout = make_qkv(B, H, K, s * sp.size, D, seed)
+    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    return local, ringseq.shard(dout.to(dtype), 2, sp=sp)
+
+
+def _raises(fn, *needles, error=ringseq.RingSeqError) -> str:
+    try:
+        fn()
+    except error as exc:
+        text = str(exc)
+        missing = [n for n in needles if n not in text]
+        assert not missing, (missing, text)
+        return text
+    raise AssertionError(f"no {error.__name__} (expected one saying {needles})")
+
+
+def _call(sp, odd: bool, case: str):
+    """One ringseq call that differs on the odd rank as ``case`` says."""
+    s = 8 if case == "local length" and odd else 16
+    dtype = torch.bfloat16 if case == "dtype" and odd else torch.float32
+    (q, k, v), _ = _inputs(sp, s=s, dtype=dtype)
+    kw = {}
+    if odd:
+        kw = {"causal": {"causal": False}, "scale": {"scale": 0.3}, "window": {"window": 8},
+              "softcap": {"softcap": 30.0}, "kernel": {"kernel": "torch"}}.get(case, {})
+        if case == "position_ids":
+            kw["position_ids"] = ringseq.shard(torch.arange(16 * sp.size)[None], 1, sp=sp)
+        if case == "attention_mask":
+            kw["attention_mask"] = torch.ones(B, s, dtype=torch.long)
+    return ringseq.ring_attention(q, k, v, sp=sp, **kw)
+
+
+ASYMMETRIC = {"causal": "causal: rank 0 1, rank {r} 0", "scale": "scale: rank 0 None, rank {r} 0.3",
+              "window": "window: rank 0 None, rank {r} 8.0", "softcap": "softcap: rank 0 None, rank {r} 30.0",
+              "kernel": "kernel: rank 0 auto, rank {r} torch", "position_ids": "position_ids dtype: rank 0 None, rank {r} int64",
+              "attention_mask": "attention_mask dtype: rank 0 None", "local length": "q.shape[2]: rank 0 16, rank {r} 8",
+              "dtype": "q dtype: rank 0 float32, rank {r} bfloat16"}
+
+
+def asymmetric_calls_are_refused():
+    """Every argument that differs on one rank of the group is an error on every rank, naming
+    the field and both values; the group is still usable afterwards."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    odd = sp.rank == world - 1
+    for case, needle in ASYMMETRIC.items():
+        _raises(lambda: _call(sp, odd, case), "out of step", needle.format(r=world - 1))
+    (q, k, v), dout = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # all agreed again: the group works
+
+
+def skipped_layer_and_backward_are_refused():
+    """A rank that skips a layer (its exception was outside ringseq) or a backward is caught at
+    its next ringseq call, on every rank; so are labels on one rank only."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    odd = sp.rank == world - 1
+    (q, k, v), dout = _inputs(sp)
+
+    def layers():
+        for index in (0, 1):
+            if odd and index == 0:
+                continue  # as if this rank's layer 0 raised and was swallowed
+            with lockstep.layer(index):
+                ringseq.ring_attention(q, k, v, sp=sp)
+
+    _raises(layers, "out of step", "layer: rank 0 0, rank", "ring_attention forward")
+
+    def skipped_backward():
+        out = ringseq.ring_attention(q, k, v, sp=sp)
+        if not odd:
+            out.backward(dout)
+        else:
+            ringseq.ring_attention(q, k, v, sp=sp)
+
+    _raises(skipped_backward, "out of step", "ring_attention backward", "ring_attention forward")
+    ids = torch.arange(4 * world)[None]
+    batch = {"input_ids": ids, **({"labels": ids} if odd else {})}
+    _raises(lambda: ringseq.shard_batch(batch, sp=sp), "labels dtype: rank 0 None, rank", "same full batch")
+
+
+def _fail_at(invocation: int):
+    """Make this rank's block compute raise at its ``invocation``-th ring step (0-based,
+    forward steps first, then backward steps), as an out-of-memory error would."""
+    original, count = ring._Schedule.calls, [0]
+
+    def calls(self, t):
+        count[0] += 1
+        if count[0] - 1 == invocation:
+            raise RuntimeError("injected: CPU out of memory in the block kernel")
+        return original(self, t)
+
+    ring._Schedule.calls = calls
+    return lambda: setattr(ring._Schedule, "calls", original)
+
+
+def failure_fails_the_group(where: str):
+    """An exception inside one rank's ring call makes every rank raise: in that call when a
+    later transfer can carry the news, else at the next ringseq collective (where the ranks
+    meet out of step). No rank gets a result until all are in step again; then it is exact."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    bad = sp.rank == world - 1
+    (q, k, v), dout = _inputs(sp)
+    ref = ringseq.ring_attention(q, k, v, sp=sp).detach()
+    steps = world  # dense causal: P ring steps each way
+    invocation = {"forward first step": 0, "forward last step": steps - 1, "backward first step": steps}[where]
+    restore = _fail_at(invocation) if bad else (lambda: None)
+    try:
+        ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
+    except (RuntimeError, ringseq.RingSeqError) as exc:
+        first = exc
+    else:
+        raise AssertionError("a rank finished the step although one rank's ring call failed")
+    finally:
+        restore()
+    if bad:
+        assert "injected" in str(first), first
+    else:
+        assert isinstance(first, ringseq.RingSeqError), first
+        assert "failed on another rank" in str(first) or "raised (see its error)" in str(first), first
+    outcomes = []
+    for _ in range(3):  # every rank swallows its error and calls again
+        try:
+            out = ringseq.ring_attention(q, k, v, sp=sp)
+            break
+        except ringseq.RingSeqError as exc:
+            outcomes.append(str(exc))
+    else:
+        raise AssertionError(f"the group never got back in step: {outcomes}")
+    # no rank got a result while another was out of step: all succeed at the same ringseq collective
+    numbers = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
+    dist.all_gather(numbers, torch.tensor([lockstep._counters[sp.ranks]]))
+    assert len({int(n) for n in numbers}) == 1, (numbers, outcomes)
+    assert all("out of step" in text for text in outcomes), outcomes
+    assert torch.equal(out, ref)
+
+
+def _stop_myself_later(wake_after: float):
+    """SIGSTOP this process now; a helper sends SIGCONT after ``wake_after`` seconds."""
+    subprocess.Popen(["sh", "-c", f"sleep {wake_after}; kill -CONT {os.getpid()}"])
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def stopped_peer(sp_size: int, phases: list, timeout: float, victim: int = 1):
+    """Group rank ``victim`` stops (SIGSTOP) at the start of its ring forward or backward
+    (``phases[d]`` for the sequence group of data index d); every other rank must raise within
+    the timeout, naming the ring step and the peer it waited for. Returns (group rank, seconds
+    from the call to the error, message, whether the forward finished) per rank."""
+    sp = ringseq.init(sp_size=sp_size, timeout=timeout)
+    phase = phases[sp.dp_rank]
+    (q, k, v), dout = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # warm: the first backward loads its kernels
+    if sp.rank == victim:
+        target = "ring_forward" if phase == "forward" else "ring_backward"
+        original = getattr(ring, target)
+
+        def stopping(*args):
+            setattr(ring, target, original)
+            _stop_myself_later(timeout + 3)
+            return original(*args)
+
+        setattr(ring, target, stopping)
+    out, start = None, time.perf_counter()
+    try:
+        out = ringseq.ring_attention(q, k, v, sp=sp)
+        start = time.perf_counter()
+        out.backward(dout)
+    except ringseq.RingSeqError as exc:
+        return sp.rank, time.perf_counter() - start, str(exc), out is not None
+    except RuntimeError as exc:  # the woken victim finds its peers gone: any transport error will do
+        assert sp.rank == victim, exc
+        return sp.rank, time.perf_counter() - start, str(exc), out is not None
+    return sp.rank, time.perf_counter() - start, "", out is not None
+
+
+def dead_peer(victim: int = 1):
+    """A peer process that dies inside the ring: the others raise a RingSeqError at once."""
+    sp = shared_init(sp_size=dist.get_world_size(), timeout=60)
+    (q, k, v), _ = _inputs(sp)
+    if sp.rank == victim:
+        def dying(self, *args, **kwargs):
+            os._exit(3)
+
+        ring.RingComm.post = dying
+    start = time.perf_counter()
+    text = _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), "ring step 1 of ring_attention",
+                   "failed or exited")
+    return time.perf_counter() - start, text
+
+
+def straggler_is_named(delay: float = 0.25, calls: int = 4):
+    """One rank made slow by a sleep before each call is the slowest rank, and the others'
+    wait for it is the injected delay within 20%."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    (q, k, v), _ = _inputs(sp)
+    ringseq.stats(sp=sp, reset=True)
+    with torch.no_grad():
+        for _ in range(calls):
+            if sp.rank == world - 1:
+                time.sleep(delay)
+            ringseq.ring_attention(q, k, v, sp=sp)
+    report = ringseq.stats(sp=sp, reset=True)
+    assert [r["calls"] for r in report["ranks"]] == [calls] * world, report
+    if world > 1:
+        assert report["slowest_rank"] == world - 1, report
+        assert abs(report["wait_for_slowest_s"] - delay * calls) <= 0.2 * delay * calls, report
+    assert ringseq.stats(sp=sp)["ranks"][sp.rank]["calls"] == 0  # reset
+
+
+def misuse_is_refused():
+    """Each misuse a RingSeqError that names the fix."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    x = torch.randn(2, 8 * world, 3)
+    for dim in (3, -4, 1.0, None):
+        _raises(lambda: ringseq.shard(x, dim, sp=sp), f"dim={dim!r}", "pass an integer")
+    _raises(lambda: ringseq.gather(x, 5, sp=sp), "dim=5")
+    _raises(lambda: ringseq.shard([1, 2], 0, sp=sp), "torch.Tensor")
+    (q, k, v), _ = _inputs(sp)
+    for bad_sp in (None, "sp", 2):
+        _raises(lambda: ringseq.ring_attention(q, k, v, sp=bad_sp), "SequenceParallel", "ringseq.init")
+        _raises(lambda: ringseq.shard(x, 1, sp=bad_sp), "SequenceParallel")
+        _raises(lambda: ringseq.gather(x, 1, sp=bad_sp), "SequenceParallel")
+        _raises(lambda: ringseq.shard_batch({"input_ids": x.long()}, sp=bad_sp), "SequenceParallel")
+    for wrong in (q.long(), q > 0):
+        _raises(lambda: ringseq.ring_attention(wrong, k, v, sp=sp), "floating-point")
+    _raises(lambda: ringseq.ring_attention(list(q), k, v, sp=sp), "torch.Tensor")
+    ids = torch.arange(4 * world)[None]
+    for mask, needle in ((torch.ones(1, 1, 4 * world, 4 * world), "2-D"), (torch.full((1, 4 * world), 2), "only 0")):
+        _raises(lambda: ringseq.shard_batch({"input_ids": ids, "attention_mask": mask}, sp=sp), needle)
+    _raises(lambda: ringseq.shard_batch({"input_ids": ids, "labels": ids[:, 1:]}, sp=sp), "labels must be")
+    _raises(lambda: ringseq.shard_batch({"input_ids": ids, "position_ids": ids.float()}, sp=sp), "position_ids")
+    local_mask = torch.full((B, 16), 3)
+    _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, attention_mask=local_mask), "0 (padding) and 1")
