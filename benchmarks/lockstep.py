@@ -5,7 +5,8 @@ the time of the two lockstep agreements that call makes (forward and backward re
 gloo all-gather of 64 integers), and ``ringseq.stats`` over the timed calls: which rank the others
 waited for and what share of the call they spent waiting for it (a causal ``contiguous`` layout
 gives the last rank the most work; ``zigzag`` balances it). Then one rank is made slow by a
-sleep of ``--delay`` ms before each call: the call time of every rank grows by about that much.
+sleep before each call (``--delay`` of the call's time): every rank's call grows by about that much,
+and ``ringseq.stats`` names that rank.
 Prints JSON lines and draws ``lockstep.png``. Usage::
 
     python benchmarks/lockstep.py                      # P = 2, 4; S = 8192
@@ -28,7 +29,7 @@ import common  # noqa: E402
 B, H, K, D = 1, 8, 2, 64
 
 
-def measure(layout: str, S: int, reps: int, delay_ms: float) -> dict:
+def measure(layout: str, S: int, reps: int, delay_share: float) -> dict:
     import torch.distributed as dist
 
     import ringseq
@@ -51,7 +52,9 @@ def measure(layout: str, S: int, reps: int, delay_ms: float) -> dict:
                          attention_mask=None, token_info=None, kernel=None, slab_rows=None)
     agree_ms = common.timed_ms(lambda: [lockstep.agree(sp, "ring_attention forward", fields) for _ in range(2)],
                                reps * 5)
+    ringseq.stats(sp=sp, reset=True)
     slow = sp.rank == sp.size - 1
+    delay_ms = delay_share * call_ms  # well above the machine's noise (tens of ms per call here)
 
     def slow_step():
         if slow:
@@ -64,9 +67,11 @@ def measure(layout: str, S: int, reps: int, delay_ms: float) -> dict:
     return dict(P=sp.size, layout=layout, S=S, call_ms=round(call_ms, 2), agree_ms=round(agree_ms, 3),
                 agree_share=round(agree_ms / call_ms, 4), slowest_rank=report["slowest_rank"],
                 wait_for_slowest_ms_per_call=round(per_call_wait, 2),
-                wait_share=round(per_call_wait / call_ms, 3), delay_ms=delay_ms,
+                wait_share=round(per_call_wait / call_ms, 3), delay_ms=round(delay_ms, 1),
                 delayed_call_ms=round(delayed_ms, 2), delay_cost_ratio=round((delayed_ms - call_ms) / delay_ms, 2),
-                delayed_slowest_rank=delayed["slowest_rank"])
+                delayed_slowest_rank=delayed["slowest_rank"],
+                delayed_wait_s=[round(r["wait_s"], 3) for r in delayed["ranks"]],
+                wait_s=[round(r["wait_s"], 3) for r in report["ranks"]])
 
 
 def plot(records, path):
@@ -94,7 +99,7 @@ def main(argv=None):
     parser.add_argument("--layouts", nargs="+", default=["zigzag", "contiguous"])
     parser.add_argument("--S", type=int, default=8192)
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--delay", type=float, default=50.0, help="ms one rank sleeps before each call")
+    parser.add_argument("--delay", type=float, default=0.25, help="share of a call's time one rank sleeps before it")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     jsonl = common.fresh_file(args.out, "lockstep.jsonl")

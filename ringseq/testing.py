@@ -132,11 +132,14 @@ def error(actual: torch.Tensor, ref64: torch.Tensor) -> float:
 
 
 def rounding(ref64: torch.Tensor, dtype: torch.dtype) -> float:
-    """One rounding of the reference in ``dtype``: the larger of storing it in that dtype and
-    flash-attn's measure, the error of adding and removing 0.3 in that dtype (so that values
-    near 0 still get the rounding of ~0.3)."""
+    """One rounding of the reference in ``dtype``: the largest of storing it in that dtype,
+    flash-attn's measure (the error of adding and removing 0.3 in that dtype, so that values
+    near 0 still get the rounding of ~0.3) and half a unit in the last place at 0.3 (the same
+    measure where it cancels exactly: a reference of exact zeros, e.g. the query gradient of a
+    window of one token, would otherwise allow no rounding at all)."""
     x = ref64.to(dtype)
-    return max(error(x, ref64), ((x + 0.3) - 0.3 - x).abs().max().item())
+    at_03 = torch.finfo(dtype).eps / 8  # half the spacing of dtype's numbers in [0.25, 0.5)
+    return max(error(x, ref64), ((x + 0.3) - 0.3 - x).abs().max().item(), at_03)
 
 
 def assert_close(actual: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor, what: str,

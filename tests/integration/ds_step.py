@@ -52,7 +52,7 @@ def batch_for(replica: int, S: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse"}
+CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp"}
 
 
 def parse_case(text: str) -> dict:
@@ -117,6 +117,9 @@ def run_case(case: dict) -> str:
     if case.get("checkpoint"):
         checkpoint_round_trip(engine, sp, config, S)
         done += "; checkpoint saved and loaded: next step matches"
+    if case.get("resume_sp"):
+        resume_at_another_shape(engine, sp, config, S, int(case["resume_sp"]))
+        done += f"; resumed at sp {case['resume_sp']}: next step matches"
     return done
 
 
@@ -161,6 +164,42 @@ def checkpoint_round_trip(engine, sp, config, S):
     for name in a:
         assert torch.equal(a[name], b[name]), f"rank {dist.get_rank()}: {name} differs after the checkpoint " \
                                               f"round trip by {(a[name] - b[name]).abs().max():.2e}"
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0])
+
+
+def resume_at_another_shape(engine, sp, config, S, sp_size):
+    """Save at this sp_size, resume in a fresh engine at another one (same world), then one more
+    step of the same global batch on both: equal to fp32 rounding (1e-5 of the step's update). ringseq's ZeRO partitions
+    over the sequence x data group (the whole world) whatever sp_size is, and the weights are
+    replicated over the sequence group, so the checkpoint loads as it is; the new shape's data
+    parallelism is made up by gradient accumulation so that a step sees the same sequences."""
+    folder = [tempfile.mkdtemp(prefix="ringseq-reshape-")]
+    dist.broadcast_object_list(folder, src=0)
+    engine.save_checkpoint(folder[0], tag="step1")
+    new_sp = ringseq.init(sp_size=sp_size)
+    if sp.dp_size % new_sp.dp_size:
+        raise SystemExit(f"resume_sp={sp_size}: its {new_sp.dp_size} replicas must divide the {sp.dp_size} of sp {sp.size}")
+    accumulate = sp.dp_size // new_sp.dp_size
+    reshaped = {k: v for k, v in config.items() if k != "train_batch_size"}
+    reshaped["gradient_accumulation_steps"] = accumulate
+    fresh = tiny_llama()
+    other, *_ = ringseq.initialize(sp=new_sp, model=fresh, config=reshaped,
+                                   optimizer=torch.optim.SGD(fresh.parameters(), lr=1.0, momentum=0.9))
+    other.load_checkpoint(folder[0], tag="step1")
+    before = gathered(engine)
+    engine.backward(engine(**batch_for(sp.dp_rank + 7, S)).loss)
+    engine.step()
+    for micro in range(accumulate):  # replica d of the new shape takes the old replicas d*acc .. d*acc+acc-1
+        other.backward(other(**batch_for(new_sp.dp_rank * accumulate + micro + 7, S)).loss)
+        other.step()
+    a, b = gathered(engine), gathered(other)
+    for name in a:  # the two shapes sum gradients in different orders: equal to fp32 rounding
+        diff = (a[name] - b[name]).abs().max().item()
+        scale = (a[name] - before[name]).abs().max().item()
+        assert diff <= 1e-5 * max(scale, 1e-3), f"rank {dist.get_rank()}: {name} differs after resuming at sp " \
+                                                 f"{sp_size} by {diff:.2e} (update {scale:.2e})"
     dist.barrier()
     if dist.get_rank() == 0:
         shutil.rmtree(folder[0])

@@ -90,4 +90,4 @@ def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused(
 
 
 def test_deepspeed_with_data_parallel_replicas_and_checkpoints():
-    deepspeed_cases(4, "stage=1,sp=2,checkpoint", "stage=3,sp=2,checkpoint")
+    deepspeed_cases(4, "stage=1,sp=2,checkpoint,resume_sp=4", "stage=3,sp=2,checkpoint,resume_sp=4")
