@@ -104,7 +104,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "") -> int:
 
     start = time.perf_counter()
     work = dist.all_gather(every, mine, group=sp.check_group, async_op=True)
-    wait(work, sp, f"the agreement of {kind} #{number}{_at_layer()}", peer=None)
+    wait(work, sp, f"the agreement of {kind} #{number}{_at_layer()}", peer=None, gloo=True)
     Clock(ledger(sp)).time("wait_s", start)
     _failed[sp.ranks] = False
     rows = torch.stack(every)
@@ -164,14 +164,15 @@ def _show(name: str, value: int) -> str:
     return str(value)
 
 
-def wait(work, sp, what: str, peer: int | None) -> None:
+def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> None:
     """Wait for ``work`` at most ``sp.timeout`` seconds (gloo), re-raising a timeout or a dead
     peer's transport error as ``RingSeqError`` that says what was awaited. NCCL work is
-    stream-ordered (waiting blocks no host); its group timeout bounds it instead."""
+    stream-ordered (waiting blocks no host); its group timeout bounds it instead. ``gloo``:
+    whether the work ran on a gloo group (default: whether ``sp``'s groups are gloo)."""
     if work is None:
         return
     try:
-        if sp.nccl:
+        if not (gloo if gloo is not None else not sp.nccl):
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=sp.timeout))

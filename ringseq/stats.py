@@ -65,7 +65,7 @@ def stats(*, sp, reset: bool = False) -> dict:
     if sp.size > 1:
         rows = [torch.empty_like(mine) for _ in range(sp.size)]
         work = dist.all_gather(rows, mine, group=sp.check_group, async_op=True)
-        lockstep.wait(work, sp, "the all-gather of ringseq.stats", peer=None)
+        lockstep.wait(work, sp, "the all-gather of ringseq.stats", peer=None, gloo=True)
     ranks = [{"calls": int(r[0]), "compute_s": float(r[1]), "wait_s": float(r[2])} for r in rows]
     # the rank that waited least is the one the others waited for; ties go to the one that computed most
     slowest = min(range(len(ranks)), key=lambda i: (ranks[i]["wait_s"], -ranks[i]["compute_s"]))

@@ -28,6 +28,18 @@ def pool4():
     return pool_for(4)
 
 
+POOL_FIXTURES = {"pool", "pool2", "pool4"}
+
+
+def pytest_runtest_setup(item):
+    """An integration test that launches its own processes gets the cores to itself: idle pools
+    keep gloo threads polling their sockets (a few % of a core per process)."""
+    if "integration" in item.path.parts and not POOL_FIXTURES & set(item.fixturenames):
+        for p in _pools.values():
+            p.close()
+        _pools.clear()
+
+
 def pytest_sessionfinish(session, exitstatus):
     for p in _pools.values():
         p.close()

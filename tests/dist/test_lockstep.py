@@ -23,7 +23,7 @@ def test_a_failure_inside_the_ring_fails_the_group(pool2, pool4, where):
     pool4.run(cases.failure_fails_the_group, where)
 
 
-TIMEOUT = 2.5
+TIMEOUT = 1.5
 
 
 def _check_stopped(results, victim, sp_size, phase):
@@ -72,3 +72,15 @@ def test_the_straggler_is_named(pool):
 
 def test_misuse_is_refused_with_the_fix(pool):
     pool.run(cases.misuse_is_refused)
+
+
+def test_soak_cases_run_and_report_their_worst_error(pool2):
+    import random
+
+    from tests import soak
+
+    rng = random.Random(1)
+    cases = [soak.draw(rng, 2) for _ in range(6)]
+    per_rank = pool2.run(soak.run_cases, cases)
+    assert [len(r) for r in per_rank] == [6, 6]
+    assert all(c["failed"] is None and 0 < c["worst_share"] <= 1 for r in per_rank for c in r), per_rank

@@ -47,16 +47,8 @@ def test_schedule_benchmark(tmp_path):
     assert (tmp_path / "schedule.png").exists() and (tmp_path / "schedule.jsonl").exists()
 
 
-def test_soak_script_runs_and_reports_the_worst_error():
-    run = subprocess.run([sys.executable, "tests/soak.py", "--cases", "4", "--worlds", "2", "--seed", "1"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
-    report = json.loads(run.stdout.strip().splitlines()[-1])
-    assert report["cases"] == 4 and report["failures"] == 0 and 0 < report["worst_error_share_of_bound"] <= 1
-
-
 def test_lockstep_benchmark(tmp_path):
-    records = bench("lockstep.py", "--sizes", "2", "--S", "1024", "--reps", "2", "--layouts", "contiguous",
+    records = bench("lockstep.py", "--sizes", "2", "--S", "512", "--reps", "2", "--layouts", "contiguous",
                     out=tmp_path)
     (r, summary) = records
     assert r["P"] == 2 and r["call_ms"] > 0 and 0 < r["agree_share"] < 1 and r["delayed_slowest_rank"] == 1, r
