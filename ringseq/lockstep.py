@@ -130,9 +130,10 @@ def _mismatch(rows: torch.Tensor, names: list[str], hint: str) -> str:
             continue
         if other[0] != first[0] or other[1] != first[1]:
             raised = [f"group rank {i}" for i, row in ((0, first), (r, other)) if row[3]]
+            news = f"; the previous ringseq call of {' and '.join(raised)} raised (see its error)" if raised else ""
             what = [f"group rank 0 is at ringseq collective #{first[1]} ({KINDS[first[0]]}"
                     f"{_layer_of(first)}) while group rank {r} is at #{other[1]} ({KINDS[other[0]]}{_layer_of(other)})"
-                    + (f"; the previous ringseq call of {' and '.join(raised)} raised (see its error)" if raised else "")]
+                    + news]
         else:
             diffs = [f"{name}: rank 0 {_show(name, a)}, rank {r} {_show(name, b)}"
                      for name, a, b in zip(names, first, other) if a != b]

@@ -6,10 +6,9 @@ import math
 
 import torch
 
+from ringseq import lockstep
 from ringseq.errors import RingSeqError
 from ringseq.sharding import gather
-
-from ringseq import lockstep
 
 from .checks import call_record, check_features, check_shapes, check_sp, check_tensors, check_token_info, dtype_code
 from .masks import TokenInfo, documents
@@ -87,14 +86,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                          position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
                          kernel=kernel, slab_rows=slab_rows)
     number = lockstep.agree(sp, "ring_attention forward", fields)  # before anything can fail on one rank only
-    label = f"ring_attention #{number}" + (f" (layer {lockstep.current_layer()})" if lockstep.current_layer() >= 0 else "")
+    layer = lockstep.current_layer()
+    label = f"ring_attention #{number}" + (f" (layer {layer})" if layer >= 0 else "")
     try:
         out = _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask,
                               token_info, kernel, slab_rows, label)
     except BaseException:
         lockstep.mark_failed(sp, True)
         raise
-    return AgreeInBackward.apply(out, sp, fields, lockstep.current_layer()) if out.requires_grad else out
+    return AgreeInBackward.apply(out, sp, fields, layer) if out.requires_grad else out
 
 
 class AgreeInBackward(torch.autograd.Function):

@@ -53,8 +53,10 @@ def _call(sp, odd: bool, case: str):
 
 ASYMMETRIC = {"causal": "causal: rank 0 1, rank {r} 0", "scale": "scale: rank 0 None, rank {r} 0.3",
               "window": "window: rank 0 None, rank {r} 8.0", "softcap": "softcap: rank 0 None, rank {r} 30.0",
-              "kernel": "kernel: rank 0 auto, rank {r} torch", "position_ids": "position_ids dtype: rank 0 None, rank {r} int64",
-              "attention_mask": "attention_mask dtype: rank 0 None", "local length": "q.shape[2]: rank 0 16, rank {r} 8",
+              "kernel": "kernel: rank 0 auto, rank {r} torch",
+              "position_ids": "position_ids dtype: rank 0 None, rank {r} int64",
+              "attention_mask": "attention_mask dtype: rank 0 None",
+              "local length": "q.shape[2]: rank 0 16, rank {r} 8",
               "dtype": "q dtype: rank 0 float32, rank {r} bfloat16"}
 
 

@@ -180,7 +180,8 @@ def resume_at_another_shape(engine, sp, config, S, sp_size):
     engine.save_checkpoint(folder[0], tag="step1")
     new_sp = ringseq.init(sp_size=sp_size)
     if sp.dp_size % new_sp.dp_size:
-        raise SystemExit(f"resume_sp={sp_size}: its {new_sp.dp_size} replicas must divide the {sp.dp_size} of sp {sp.size}")
+        raise SystemExit(f"resume_sp={sp_size}: its {new_sp.dp_size} replicas must divide the {sp.dp_size} "
+                         f"of sp {sp.size}")
     accumulate = sp.dp_size // new_sp.dp_size
     reshaped = {k: v for k, v in config.items() if k != "train_batch_size"}
     reshaped["gradient_accumulation_steps"] = accumulate
