@@ -13,11 +13,11 @@ import dataclasses
 
 import torch
 
-from .attention.masks import TokenInfo, documents
 from . import lockstep
+from .attention.masks import TokenInfo, documents
 from .errors import RingSeqError
-from .lockstep import dtype_code
 from .layouts import multiple
+from .lockstep import dtype_code
 from .loss import IGNORE
 from .sharding import shard
 from .topology import check_sp
@@ -111,6 +111,8 @@ def check_same_batch(batch: dict, sp) -> None:
     """Refuse when the ranks of a sequence group were handed different full batches (the usual
     mistake: a dataloader sharded over all ranks instead of over data-parallel replicas), or a
     tensor (labels, a mask) on some ranks only: one all-gather of a fixed-size record."""
+    if sp.size == 1:
+        return
     lockstep.agree(sp, "batch", batch_record(batch), hint=SAME_BATCH_HINT)
 
 
