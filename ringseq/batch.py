@@ -17,7 +17,7 @@ from . import lockstep
 from .attention.masks import TokenInfo, documents
 from .errors import RingSeqError
 from .layouts import multiple
-from .lockstep import dtype_code
+from .lockstep import checksum, dtype_code
 from .loss import IGNORE
 from .sharding import shard
 from .topology import check_sp
@@ -78,17 +78,6 @@ def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return TokenInfo(doc=doc, valid=valid)
 
 
-def _content(t: torch.Tensor) -> int:
-    """A position-weighted sum of a tensor's bits: equal tensors give equal values on every
-    rank; a different or reordered batch almost surely does not."""
-    x = t.detach().reshape(-1)
-    if x.is_floating_point():  # embeddings: a strided sample of at most ~1M values is plenty
-        bits = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()]
-        x = x[:: x.numel() // 2**20 + 1].view(bits)
-    weights = torch.arange(x.numel(), device=x.device) % 65521 + 1
-    return int((x.long() * weights).sum())
-
-
 def batch_record(batch: dict) -> dict[str, int]:
     """What every rank of a sequence group must share about a full batch (a lockstep record)."""
     fields = {}
@@ -97,7 +86,7 @@ def batch_record(batch: dict) -> dict[str, int]:
         shape = list(t.shape) if torch.is_tensor(t) else []
         fields[f"{key} dtype"] = dtype_code(t)
         fields.update({f"{key}.shape[{i}]": n for i, n in enumerate((shape + [-1, -1])[:2])})
-        fields[f"{key} content"] = _content(t) if torch.is_tensor(t) else 0
+        fields[f"{key} content"] = checksum(t) if torch.is_tensor(t) else 0
     return fields
 
 

@@ -6,7 +6,7 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
-from ringseq.lockstep import KERNELS, dtype_code, float_bits
+from ringseq.lockstep import KERNELS, checksum, dtype_code, float_bits
 from ringseq.topology import check_sp  # noqa: F401 - part of the checks' interface
 
 from .masks import TokenInfo
@@ -106,8 +106,6 @@ def token_checksum(info) -> int:
             if t is None:
                 total = (total * 31 + 7) % 2**61
                 continue
-            x = t.reshape(-1).long()
-            weights = torch.arange(x.numel()) % 65521 + 1
-            total = (total * 31 + hash(tuple(t.shape)) + int((x * weights).sum())) % 2**61
+            total = (total * 31 + hash(tuple(t.shape)) + checksum(t)) % 2**61
         info._cache["checksum"] = total
     return info._cache["checksum"]
