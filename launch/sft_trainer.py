@@ -64,17 +64,20 @@ class SFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
 
     def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
         from ringseq import patch, unpatch
+        from ringseq.patches.patch import options
 
         self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
         if args is not None:
             _refuse(args, kwargs)
-        if not isinstance(model, str) and getattr(model, "_ringseq_patch", None) is not None:
+        chosen = {} if isinstance(model, str) else options(model)  # a model the user patched keeps its options
+        if chosen:
             unpatch(model)  # TRL installs its fused head on the plain model; ringseq patches after it
         super().__init__(model, args, *rest, **kwargs)
         if self.aux_loss_enabled:
             raise RingSeqError("the MoE router auxiliary loss would be computed on each rank's tokens only; set "
                                "SFTConfig(router_aux_loss_coef=0.0)")
-        patch(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, sp=self.sp)
+        patch(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, sp=self.sp,
+              **chosen)
         self._pad_collator_to_layout()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -150,9 +150,10 @@ class Trainer(SequenceParallelMixin, transformers.Trainer):
         # applied inside the patched forward, slab by slab; the stock loop must not apply it again
         self._logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
         from ringseq import patch
+        from ringseq.patches.patch import options
 
         if model is not None:
-            patch(model, sp=self.sp)
+            patch(model, sp=self.sp, **options(model))  # a model the user patched keeps its options
         if kwargs.get("model_init") is not None:
             user_init = kwargs["model_init"]
             kwargs["model_init"] = functools.wraps(user_init)(lambda *a: patch(user_init(*a), sp=self.sp))

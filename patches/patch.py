@@ -22,7 +22,7 @@ from ringseq.sharding import gather, shard
 from ringseq.topology import check_sp
 from ringseq.attention.masks import TokenInfo
 
-from . import checks
+from . import checkpointing, checks, tiled_mlp as tiling
 from .documents import isolates_documents
 from .registry import NAME, register
 
@@ -39,6 +39,10 @@ class PatchHandle:
     previous_forward: object = None
     """An instance-level forward that was there before (e.g. TRL's fused LM head), restored by
     ``unpatch``; None when the model used its class's forward."""
+    tiled_mlp: object = None
+    """None (MLPs untouched), True or a number of tiles per shard (``patches.tiled_mlp``)."""
+    offload: bool = False
+    """Whether checkpointing offloads to host memory (transformers' option; ``patches.checkpointing``)."""
 
 
 def _final_softcap(config):
@@ -103,6 +107,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
         shift_labels = shift_labels if shift_labels is not None else labels
         if not handle.documents_apart and ringseq.info.doc is not None:
             ringseq = dataclasses.replace(ringseq, info=TokenInfo(valid=ringseq.info.valid))
+    checkpointing.wrap(self, handle.offload)  # checkpointed layers keep their ring outputs
     decoder = self.get_decoder()
     out = decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
                   ringseq=ringseq, **kwargs)
@@ -151,7 +156,7 @@ def _preprocessed(model, hidden, labels, fn, sp, pad: int):
     return full[:, : full.size(1) - pad]
 
 
-def patch(model, *, sp, chunked_loss: bool = True):
+def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
     """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
 
     Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
@@ -159,22 +164,35 @@ def patch(model, *, sp, chunked_loss: bool = True):
     labels and ``chunked_loss`` (default) the loss is computed slab by slab from the final
     hidden states and ``logits`` is None (full-vocabulary logits of the whole shard are never
     held); otherwise ``logits`` is this rank's shard [B, s, V], in the layout's token order.
-    Patching twice only updates ``sp`` (and puts the patched forward back if something replaced
-    it since). Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
+    ``tiled_mlp`` (None: off; True: one tile per hidden_size tokens; an int: tiles per shard)
+    runs every decoder MLP in sequence tiles, each recomputed in backward (``patches.tiled_mlp``).
+    Checkpointing (``gradient_checkpointing_enable``, before or after patching) never replays the
+    ring: checkpointed layers keep each ring call's output and log-sum-exp
+    (``patches.checkpointing``). Patching twice only updates ``sp``, ``chunked_loss`` and
+    ``tiled_mlp`` (and puts the patched forward back if something replaced it since).
+    Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
     reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
     patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
     """
     check_sp(sp)
+    tiling.check(tiled_mlp)
     if not isinstance(model, torch.nn.Module):
         raise RingSeqError(f"ringseq.patch takes a transformers model object, got {type(model).__name__}: load it "
                            f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
     handle = getattr(model, "_ringseq_patch", None)
     if handle is not None:
         handle.sp, handle.chunked_loss = sp, chunked_loss
+        if tiled_mlp != handle.tiled_mlp:
+            tiling.uninstall(model)
+            if tiled_mlp is not None:
+                tiling.install(model, tiled_mlp)
+            handle.tiled_mlp = tiled_mlp
         if getattr(vars(model).get("forward"), "__func__", None) is not _forward:
             model.forward = types.MethodType(_forward, model)
         return model
     checks.check(model)
+    if tiled_mlp is not None:
+        tiling.mlps(model)  # refuses MLPs it cannot tile before anything changes
     register()
     handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
                          chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"))
@@ -186,7 +204,23 @@ def patch(model, *, sp, chunked_loss: bool = True):
         raise
     model._ringseq_patch = handle
     model.forward = types.MethodType(_forward, model)
+    if tiled_mlp is not None:
+        tiling.install(model, tiled_mlp)
+        handle.tiled_mlp = tiled_mlp
+    checkpointing.watch_offload(_transformers_model(model), handle)
     return model
+
+
+def _transformers_model(model):
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def options(model) -> dict:
+    """The ``patch`` options a model was patched with ({} if it is not patched): what ringseq's
+    Trainer, SFTTrainer and ``initialize`` pass on when they (re)patch a model the user patched."""
+    handle = getattr(model, "_ringseq_patch", None)
+    return {} if handle is None else {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp}
 
 
 def unpatch(model):
@@ -195,6 +229,9 @@ def unpatch(model):
     if handle is None:
         return model
     model.set_attn_implementation(handle.previous_attn_implementation)
+    tiling.uninstall(model)
+    checkpointing.unwrap(_transformers_model(model))
+    checkpointing.unwrap(model)
     if handle.previous_forward is None:
         del model.forward
     else:

@@ -10,6 +10,7 @@ from ringseq import lockstep
 from ringseq.errors import RingSeqError
 from ringseq.sharding import gather
 
+from . import keep
 from .checks import call_record, check_features, check_shapes, check_sp, check_tensors, check_token_info, dtype_code
 from .masks import TokenInfo, documents
 from .ring import RingAttention, RingOptions
@@ -129,7 +130,7 @@ def _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, s
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
                        softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,
-                       sp=sp, label=label)
+                       sp=sp, label=label, kept=keep.current())
     U = sp.ulysses_size
     if U == 1:
         return RingAttention.apply(q, k, v, sinks, opts)

@@ -58,6 +58,8 @@ class RingOptions:
     """The ``SequenceParallel`` (timeout, stats ledger)."""
     label: str = "ring_attention"
     """The call in errors: its lockstep number and layer."""
+    kept: object = dataclasses.field(default=None, compare=False)
+    """The ``keep.Kept`` store of the checkpointed layer this call runs in (None: not checkpointed)."""
 
     @property
     def P(self) -> int:
@@ -224,12 +226,19 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
 
 class RingAttention(torch.autograd.Function):
     """Forward: up to P-1 point-to-point K/V hops around the ring, overlapped with block
-    compute. Backward: the same K/V hops again, plus the fp32 dK/dV accumulators travelling
-    with them and one final hop home."""
+    compute; none when a checkpointed layer is recomputed (``opts.kept`` hands back what its
+    first forward computed). Backward: the same K/V hops again, plus the fp32 dK/dV
+    accumulators travelling with them and one final hop home."""
 
     @staticmethod
     def forward(ctx, q, k, v, sinks, opts: RingOptions):
-        out, lse, aux = ring_forward(q, k, v, sinks, opts)
+        kept = None if opts.kept is None else opts.kept.take(q)
+        if kept is not None:
+            out, lse, aux = kept
+        else:
+            out, lse, aux = ring_forward(q, k, v, sinks, opts)
+            if opts.kept is not None:
+                opts.kept.put(out, lse, aux)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
         ctx.opts, ctx.aux = opts, aux
         return out

@@ -238,6 +238,20 @@ def unpatch_restores():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     assert model(**batch).loss.item() == ref
     ringseq.unpatch(model)  # a model that is not patched: no-op
+    # memory features: tiled MLPs, checkpointing enabled after patching (its functions wrapped), offload
+    model.train()
+    ringseq.patch(model, sp=sp, tiled_mlp=2)
+    model.gradient_checkpointing_enable()
+    funcs = {name: vars(m)["_gradient_checkpointing_func"] for name, m in model.named_modules()
+             if "_gradient_checkpointing_func" in vars(m)}
+    model(**batch).loss.backward()
+    assert all(getattr(vars(m).get("_gradient_checkpointing_func"), "keeps_ring", False)
+               for name, m in model.named_modules() if name in funcs)
+    ringseq.unpatch(model)
+    assert not any("forward" in vars(m) or "_ringseq_tiles" in vars(m) for m in model.modules())
+    assert "activation_checkpointing_enable" not in vars(model)
+    assert all(vars(m)["_gradient_checkpointing_func"] is funcs[name] for name, m in model.named_modules()
+               if name in funcs)
 
 
 def refuses_unsupported_models():
@@ -268,18 +282,95 @@ def refuses_unsupported_models():
         model(**make_batch(1, 8 * sp.size, "plain"))
 
 
-def gradient_checkpointing(family):
-    """A checkpointed patched model against the unpatched, non-checkpointed model."""
+class RingCounter:
+    """Counts the ring's point-to-point posts and its ring forwards while active."""
+
+    def __init__(self):
+        from ringseq.attention import comm, ring
+
+        self.posts = self.forwards = 0
+        self._patches = [(comm.RingComm, "post"), (ring, "ring_forward")]
+
+    def __enter__(self):
+        from ringseq.attention import comm, ring
+
+        post, forward = comm.RingComm.post, ring.ring_forward
+
+        def counted_post(*a, **k):
+            self.posts += 1
+            return post(*a, **k)
+
+        def counted_forward(*a, **k):
+            self.forwards += 1
+            return forward(*a, **k)
+
+        self._saved = (post, forward)
+        comm.RingComm.post, ring.ring_forward = counted_post, counted_forward
+        return self
+
+    def __exit__(self, *exc):
+        from ringseq.attention import comm, ring
+
+        comm.RingComm.post, ring.ring_forward = self._saved
+
+
+def backward_counts(model, batch):
+    """(loss, grads, ring posts made by the backward, ring forwards run by the backward)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    with RingCounter() as counter:
+        loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads, counter.posts, counter.forwards
+
+
+def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=False, enable_first=True):
+    """A checkpointed patched model against the unpatched, non-checkpointed model; its backward
+    makes exactly the ring posts of the non-checkpointed patched model's backward (the recompute
+    replays no ring) and runs no ring forward. ``enable_first``: checkpointing enabled before
+    patching (else after, as the Trainer does)."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     batch = make_batch(2, 16 * world, "plain")
     base, refs = references(family, batch)
+    plain = ringseq.patch(copy.deepcopy(base), sp=sp, tiled_mlp=tiled_mlp)
+    _, _, plain_posts, plain_forwards = backward_counts(plain, batch)
     model = copy.deepcopy(base)
-    model.gradient_checkpointing_enable()
     model.train()
-    ringseq.patch(model, sp=sp)
-    loss, grads = loss_and_grads(model, batch)
-    check_against(refs, loss, grads, sp, f"{family} checkpointed rank {sp.rank}/{world}")
+    extra = {"offload": True} if offload else {}  # transformers 5.0 has no offload option
+
+    def enable():
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant}, **extra)
+
+    if enable_first:
+        enable()
+    ringseq.patch(model, sp=sp, tiled_mlp=tiled_mlp)
+    if not enable_first:
+        enable()
+    assert model._ringseq_patch.offload == offload
+    loss, grads, posts, forwards = backward_counts(model, batch)
+    where = f"{family} checkpointed tiled_mlp={tiled_mlp} reentrant={reentrant} rank {sp.rank}/{world}"
+    assert (posts, forwards, plain_forwards) == (plain_posts, 0, 0), (where, posts, plain_posts, forwards)
+    assert world == 1 or posts > 0, where
+    check_against(refs, loss, grads, sp, where)
+
+
+def tiled_mlp_refusals():
+    """Mixture-of-experts MLPs and bad tile counts are refused before anything changes."""
+    import pytest
+
+    sp = shared_init(sp_size=dist.get_world_size())
+    moe = tiny_model("gpt_oss")
+    with pytest.raises(ringseq.RingSeqError, match="tiled_mlp tiles dense MLPs"):
+        ringseq.patch(moe, sp=sp, tiled_mlp=2)
+    assert not hasattr(moe, "_ringseq_patch") and "forward" not in vars(moe.model.layers[0].mlp)
+    for bad in (0, -1, 2.5, False, "4"):
+        with pytest.raises(ringseq.RingSeqError, match="tiled_mlp must be"):
+            ringseq.patch(tiny_model("llama"), sp=sp, tiled_mlp=bad)
+    model = ringseq.patch(tiny_model("llama"), sp=sp, tiled_mlp=4)
+    assert all("forward" in vars(layer.mlp) for layer in model.model.layers)
+    ringseq.patch(model, sp=sp, tiled_mlp=None)  # re-patching changes the option
+    assert not any("forward" in vars(layer.mlp) for layer in model.model.layers)
 
 
 def manual_path():

@@ -52,7 +52,8 @@ def batch_for(replica: int, S: int) -> dict:
     return {"input_ids": ids, "labels": ids}
 
 
-CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp"}
+CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp",
+             "memory"}
 
 
 def parse_case(text: str) -> dict:
@@ -93,6 +94,10 @@ def run_case(case: dict) -> str:
             config["ringseq"][key] = value
     else:
         sp = ringseq.init(sp_size=sp_size)
+    if case.get("memory"):  # checkpointed layers keeping ring outputs; MLPs in 3 tiles per shard
+        model.gradient_checkpointing_enable()
+        model.train()
+        ringseq.patch(model, sp=sp, tiled_mlp=3)
     if case.get("refuse"):
         try:
             ringseq.initialize(sp=sp, model=model, config=config, optimizer=torch.optim.SGD(model.parameters(), lr=1.0))
@@ -109,6 +114,8 @@ def run_case(case: dict) -> str:
     engine.step()
 
     what = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp} rank {dist.get_rank()}"
+    if case.get("memory"):
+        what += " (checkpointing + tiled MLP)"
     clip = engine.gradient_clipping()  # as DeepSpeed read it (a shipped config sets its own)
     plain = reference_step(reference, dp, S, clip)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)

@@ -45,9 +45,21 @@ def test_unsupported_models_are_refused(pool2):
     pool2.run(cases_hf.refuses_unsupported_models)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_gradient_checkpointing(pool2, family):
-    pool2.run(cases_hf.gradient_checkpointing, family)
+@pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first", [
+    ("llama", None, False, False, True), ("gemma2", None, True, False, False), ("llama", 3, False, True, False),
+    ("qwen3", 2, True, False, True)])
+def test_gradient_checkpointing_never_replays_the_ring(pool2, pool4, family, tiled_mlp, reentrant, offload,
+                                                       enable_first):
+    """Checkpointed layers (torch's reentrant and non-reentrant checkpoint, enabled before or after
+    patching, transformers' offload option) keep their ring outputs: the backward makes exactly the
+    ring posts of the non-checkpointed backward; with tiled MLPs too; exact against the unpatched model."""
+    pool2.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first)
+    if family == "llama":
+        pool4.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first)
+
+
+def test_tiled_mlp_refuses_what_it_cannot_tile(pool2):
+    pool2.run(cases_hf.tiled_mlp_refusals)
 
 
 def test_manual_path_with_shard_batch(pool2, pool4):

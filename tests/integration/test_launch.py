@@ -81,9 +81,11 @@ def deepspeed_cases(nproc, *cases):
 
 
 def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused():
-    """ZeRO 0-3 (two of them without clipping), the ds_config section, the shipped configs, and the
-    refusals: ZeRO-3 reduce_scatter, an sp_size that does not divide the world, a misspelt key."""
+    """ZeRO 0-3 (two of them without clipping), the ds_config section, the shipped configs, checkpointing
+    with tiled MLPs under ZeRO-2 and ZeRO-3 (each weight's gradient reduced once, after the last tile), and
+    the refusals: ZeRO-3 reduce_scatter, an sp_size that does not divide the world, a misspelt key."""
     deepspeed_cases(2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,section",
+                    "stage=2,memory", "stage=3,clip=0,memory",
                     "config=launch/configs/ds_zero1.json", "config=launch/configs/ds_zero2.json",
                     "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,refuse=reduce_scatter averages",
                     "stage=2,section,sp=3,refuse=sp_size 3 must divide the world size",

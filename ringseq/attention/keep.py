@@ -1,0 +1,99 @@
+"""Ring outputs kept from a checkpointed layer's forward for its recompute.
+
+Activation checkpointing runs a layer's forward twice: once without keeping activations, and
+again inside the backward to rebuild them. For ring attention the second run would replay the
+whole ring (P-1 K/V transfers and every block's attention) only to get back what the first run
+computed. So a checkpointed layer runs inside ``keeping(Kept())``: its first forward puts each
+ring call's output and log-sum-exp ([B,H,s,D] and [B,H,s]: the size of q) into the store; the
+recompute takes them back in the same order and the ring autograd function is rebuilt around
+them, making no transfer and no block compute (its backward is the ring backward as always).
+
+With ``offload=True`` the checkpointed layer's saved inputs go to host memory
+(``torch.autograd.graph.save_on_cpu``, pinned when a GPU is present) and so do the kept ring
+outputs (``Kept(offload=True)``). On a CPU-only machine this is a no-op copy that saves nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+
+import torch
+
+from ringseq.errors import RingSeqError
+
+_current: contextvars.ContextVar["Kept | None"] = contextvars.ContextVar("ringseq_kept", default=None)
+
+
+class Kept:
+    """The ring outputs of one run of one checkpointed layer: recorded by its first forward,
+    replayed (in call order) by each recompute."""
+
+    def __init__(self, *, offload: bool = False):
+        self.offload = offload
+        self.entries: list[tuple] = []
+        self.replaying = False
+        self._next = 0
+
+    def put(self, out: torch.Tensor, lse: torch.Tensor, aux) -> None:
+        """Keep one call's result (first forward only)."""
+        if not self.replaying:
+            self.entries.append((self._store(out.detach()), self._store(lse), aux))
+
+    def take(self, q: torch.Tensor):
+        """The next kept (out, lse, aux) for a recomputed call on ``q``, or None when nothing was
+        kept for it (the ring then runs again: exact, only slower)."""
+        if not self.replaying or self._next >= len(self.entries):
+            return None
+        out, lse, aux = self.entries[self._next]
+        if tuple(out.shape) != tuple(q.shape) or out.dtype != q.dtype:
+            raise RingSeqError(f"the recompute of a checkpointed layer made a ring_attention call on q "
+                               f"{tuple(q.shape)} {q.dtype} where its forward made one on {tuple(out.shape)} "
+                               f"{out.dtype}: a checkpointed layer must compute the same thing twice")
+        self._next += 1
+        return out.to(q.device, non_blocking=True), lse.to(q.device, non_blocking=True), aux
+
+    def _store(self, t: torch.Tensor) -> torch.Tensor:
+        if not self.offload or t.device.type == "cpu":
+            return t
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    @contextlib.contextmanager
+    def run(self):
+        """One run of the layer: the first records, every later one replays from the start."""
+        token = _current.set(self)
+        self._next = 0
+        try:
+            yield
+        finally:
+            _current.reset(token)
+            if self.replaying:  # the recompute holds what it took (in its autograd nodes) from here
+                self.entries = []
+            self.replaying = True
+
+
+def current() -> Kept | None:
+    """The store of the checkpointed layer being run, if any."""
+    return _current.get()
+
+
+def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False):
+    """Wrap a checkpoint function (``torch.utils.checkpoint.checkpoint`` or a partial of it, as
+    transformers sets on each layer) so the ring attention inside is never replayed."""
+    if getattr(checkpoint_fn, "keeps_ring", False):
+        return checkpoint_fn
+
+    def checkpoint(function, *args, **kwargs):
+        kept = Kept(offload=offload)
+
+        def run(*a, **k):
+            with kept.run():
+                return function(*a, **k)
+
+        if not offload:
+            return checkpoint_fn(run, *args, **kwargs)
+        with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+            return checkpoint_fn(run, *args, **kwargs)
+
+    checkpoint.keeps_ring, checkpoint.wrapped, checkpoint.offload = True, checkpoint_fn, offload
+    return checkpoint
