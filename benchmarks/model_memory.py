@@ -1,11 +1,13 @@
 """Per-rank activation memory of a patched tiny Llama as the sequence grows: does it fall as 1/P?
 
-For each length N and ring size P (P=1 is the unpatched model in one process), a fresh process
-tree runs one forward+backward of the same random-init model on the same batch and reports
-each rank's peak resident memory above its baseline after the model was built (so the
-weights, identical everywhere, are not counted). Prints one JSON line per (N, P) with
-``peak_mb`` (largest rank), ``ratio_to_P1`` and ``loss``, and draws
-``benchmarks/results/model_memory.png``. Usage::
+For each length N and ring size P, a fresh process tree runs one forward+backward of the same
+random-init model on the same batch and reports each rank's peak resident memory above its
+baseline after the model was built (so the weights, identical everywhere, are not counted).
+Like is compared with like: P=1 is ringseq at sp 1 (the same chunked loss and code path as at
+P > 1), and ``scaling_efficiency`` = peak(N, 1) / (P x peak(N, P)) (1.0: memory falls exactly as
+1/P). The unpatched model in one process (transformers' full-logits loss) is reported beside it
+as ``system: unpatched``. Prints one JSON line per (N, system, P) with ``peak_mb`` (largest rank)
+and ``loss``, and draws ``benchmarks/results/model_memory.png``. Usage::
 
     python benchmarks/model_memory.py
     python benchmarks/model_memory.py --lengths 4096 8192 --sizes 1 2
@@ -34,19 +36,20 @@ def tiny_llama():
     return LlamaForCausalLM(config)
 
 
-def measure(N: int) -> dict:
+def measure(N: int, patched: bool = True) -> dict:
     import ringseq
 
     P = dist.get_world_size()
     model = tiny_llama()
-    if P > 1:
+    if patched:
         ringseq.patch(model, sp=ringseq.init(sp_size=P))
     ids = torch.randint(0, 2048, (1, N), generator=torch.Generator().manual_seed(1))
     base = common.rss_mb()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     peak = common.slowest(common.peak_rss_mb() - base)
-    return dict(N=N, P=P, peak_mb=round(peak, 1), loss=round(loss.item(), 6))
+    return dict(N=N, P=P, system="ringseq" if patched else "unpatched", peak_mb=round(peak, 1),
+                loss=round(loss.item(), 6))
 
 
 def plot(records, path):
@@ -56,9 +59,10 @@ def plot(records, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4.5))
-    for P in sorted({r["P"] for r in records}):
-        rs = sorted((r for r in records if r["P"] == P), key=lambda r: r["N"])
-        ax.plot([r["N"] for r in rs], [r["peak_mb"] for r in rs], marker="o", label=f"P={P}")
+    for system, P in sorted({(r["system"], r["P"]) for r in records}, key=lambda k: (k[0] != "unpatched", k[1])):
+        rs = sorted((r for r in records if r["P"] == P and r["system"] == system), key=lambda r: r["N"])
+        ax.plot([r["N"] for r in rs], [r["peak_mb"] for r in rs], marker="o", ls="--" if system == "unpatched" else "-",
+                label=f"{system} P={P}")
     ax.set(xscale="log", yscale="log", xlabel="sequence length N", ylabel="peak activation MB per rank",
            title="tiny Llama (4 layers, d=256), forward+backward")
     ax.grid(True, which="both", alpha=0.3)
@@ -76,11 +80,14 @@ def main(argv=None):
     jsonl = common.fresh_file(args.out, "model_memory.jsonl")
     records = []
     for N in args.lengths:
+        rec = common.run_tree(measure, 1, 1, N, False)
+        records.append(rec)
+        common.emit(rec, jsonl)
         single = None
         for P in args.sizes:
             rec = common.run_tree(measure, P, 1, N)
             single = rec["peak_mb"] if P == 1 else single
-            rec["ratio_to_P1"] = round(rec["peak_mb"] / single, 3) if single else None
+            rec["scaling_efficiency"] = round(single / (P * rec["peak_mb"]), 3) if single else None
             records.append(rec)
             common.emit(rec, jsonl)
     plot(records, os.path.join(args.out, "model_memory.png"))

@@ -29,15 +29,16 @@ def _layers(model):
     return [m for m in model.modules() if "_gradient_checkpointing_func" in vars(m)]
 
 
-def wrap(model, offload: bool) -> None:
-    """Make every checkpointed layer's checkpoint function keep ring outputs (idempotent)."""
+def wrap(model, offload: bool, keep: bool = True) -> None:
+    """Make every checkpointed layer's checkpoint function keep ring outputs (``keep``) and
+    offload (``offload``); idempotent."""
     for layer in _layers(model):
         fn = layer._gradient_checkpointing_func
         if getattr(fn, "keeps_ring", False):
-            if fn.offload == offload:
+            if (fn.offload, fn.keep) == (offload, keep):
                 continue
             fn = fn.wrapped
-        layer._gradient_checkpointing_func = checkpoint_keeping_ring(fn, offload=offload)
+        layer._gradient_checkpointing_func = checkpoint_keeping_ring(fn, offload=offload, keep=keep)
 
 
 def unwrap(model) -> None:

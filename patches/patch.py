@@ -17,7 +17,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ringseq.batch import shard_batch
 from ringseq.errors import RingSeqError
-from ringseq.loss import CHUNK, IGNORE, chunked_cross_entropy, cross_entropy
+from ringseq.loss import IGNORE, chunked_cross_entropy, cross_entropy, slab_tokens
 from ringseq.sharding import gather, shard
 from ringseq.topology import check_sp
 from ringseq.attention.masks import TokenInfo
@@ -43,6 +43,8 @@ class PatchHandle:
     """None (MLPs untouched), True or a number of tiles per shard (``patches.tiled_mlp``)."""
     offload: bool = False
     """Whether checkpointing offloads to host memory (transformers' option; ``patches.checkpointing``)."""
+    keep_ring_outputs: bool = True
+    """Whether checkpointed layers keep their ring outputs (False: their recompute replays the ring)."""
 
 
 def _final_softcap(config):
@@ -107,7 +109,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
         shift_labels = shift_labels if shift_labels is not None else labels
         if not handle.documents_apart and ringseq.info.doc is not None:
             ringseq = dataclasses.replace(ringseq, info=TokenInfo(valid=ringseq.info.valid))
-    checkpointing.wrap(self, handle.offload)  # checkpointed layers keep their ring outputs
+    checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     decoder = self.get_decoder()
     out = decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False,
                   ringseq=ringseq, **kwargs)
@@ -140,7 +142,7 @@ def _forward(self, input_ids=None, attention_mask=None, position_ids=None, input
 def _preprocessed(model, hidden, labels, fn, sp, pad: int):
     """fn(logits, labels) slab by slab over this rank's tokens, gathered into global order."""
     B, s = hidden.shape[:2]
-    step = max(1, CHUNK // B)
+    step = max(1, slab_tokens(model.config.get_text_config().vocab_size) // B)
     parts = []
     with torch.no_grad():
         for a in range(0, s, step):
@@ -156,7 +158,7 @@ def _preprocessed(model, hidden, labels, fn, sp, pad: int):
     return full[:, : full.size(1) - pad]
 
 
-def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
+def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
     """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
 
     Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
@@ -168,8 +170,9 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
     runs every decoder MLP in sequence tiles, each recomputed in backward (``patches.tiled_mlp``).
     Checkpointing (``gradient_checkpointing_enable``, before or after patching) never replays the
     ring: checkpointed layers keep each ring call's output and log-sum-exp
-    (``patches.checkpointing``). Patching twice only updates ``sp``, ``chunked_loss`` and
-    ``tiled_mlp`` (and puts the patched forward back if something replaced it since).
+    (``patches.checkpointing``); ``keep_ring_outputs=False`` trades that speed for memory (one
+    q-sized tensor per layer less; the recompute replays the ring). Patching twice only updates
+    ``sp`` and the options (and puts the patched forward back if something replaced it since).
     Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
     reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
     patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
@@ -181,7 +184,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
                            f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
     handle = getattr(model, "_ringseq_patch", None)
     if handle is not None:
-        handle.sp, handle.chunked_loss = sp, chunked_loss
+        handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
         if tiled_mlp != handle.tiled_mlp:
             tiling.uninstall(model)
             if tiled_mlp is not None:
@@ -195,7 +198,8 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
         tiling.mlps(model)  # refuses MLPs it cannot tile before anything changes
     register()
     handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
-                         chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"))
+                         chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
+                         keep_ring_outputs=bool(keep_ring_outputs))
     model.set_attn_implementation(NAME)
     try:
         handle.documents_apart = isolates_documents(model)
@@ -220,7 +224,8 @@ def options(model) -> dict:
     """The ``patch`` options a model was patched with ({} if it is not patched): what ringseq's
     Trainer, SFTTrainer and ``initialize`` pass on when they (re)patch a model the user patched."""
     handle = getattr(model, "_ringseq_patch", None)
-    return {} if handle is None else {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp}
+    return {} if handle is None else {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
+                                      "keep_ring_outputs": handle.keep_ring_outputs}
 
 
 def unpatch(model):

@@ -35,11 +35,11 @@ def __getattr__(name):
     raise AttributeError(f"module 'ringseq' has no attribute {name!r}")
 
 
-def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None):
+def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
     """Patch a transformers causal LM for sequence parallelism (see ``ringseq.patches``)."""
     from .patches.patch import patch as _patch
 
-    return _patch(model, sp=sp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp)
+    return _patch(model, sp=sp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp, keep_ring_outputs=keep_ring_outputs)
 
 
 def initialize(*, sp=None, model=None, config=None, model_parameters=None, optimizer=None, **kwargs):

@@ -17,7 +17,14 @@ from torch.utils.checkpoint import checkpoint
 from . import lockstep
 
 IGNORE = -100
-CHUNK = 4096  # tokens per slab of the chunked loss: bounds logits to CHUNK x vocab
+SLAB_BYTES = 64 * 2**20
+"""fp32 logits per slab of the chunked loss (its backward holds about three slabs' worth at once)."""
+
+
+def slab_tokens(vocab: int) -> int:
+    """Tokens per slab of the chunked loss for a vocabulary: 524 at 32k, 131 at 128k (at least 16,
+    so that a slab's matmul stays efficient)."""
+    return max(16, SLAB_BYTES // (4 * vocab))
 
 
 def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torch.Tensor:
@@ -72,10 +79,13 @@ def _slab_loss(hidden, labels, head, softcap):
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,
-                          final_softcap: float | None = None, chunk: int = CHUNK) -> torch.Tensor:
+                          final_softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """``cross_entropy`` of ``head(hidden)`` without ever holding the logits of more than
-    ``chunk`` tokens: each slab's logits are recomputed in backward (activation checkpointing),
-    as DeepSpeed ALST's tiled loss does. Exact: the slab sums add up to the same sum."""
+    ``chunk`` tokens (default ``slab_tokens(vocab)``: 64 MiB of fp32 logits): each slab's logits
+    are recomputed in backward (activation checkpointing), as DeepSpeed ALST's tiled loss does.
+    Exact: the slab sums add up to the same sum."""
+    # a Linear (or PEFT's wrapper) knows its width also when ZeRO-3 has partitioned its weight away
+    chunk = chunk or slab_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
     flat_h, flat_y = hidden.flatten(0, -2), shift_labels.flatten().to(hidden.device)
     local = hidden.new_zeros((), dtype=torch.float64)
     # Every slab joins the graph, even one whose labels are all ignored: each rank's backward

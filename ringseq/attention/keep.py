@@ -77,23 +77,28 @@ def current() -> Kept | None:
     return _current.get()
 
 
-def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False):
+def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool = True):
     """Wrap a checkpoint function (``torch.utils.checkpoint.checkpoint`` or a partial of it, as
-    transformers sets on each layer) so the ring attention inside is never replayed."""
+    transformers sets on each layer) so the ring attention inside is never replayed.
+    ``keep=False`` replays it instead (the recompute runs the ring again: one q-sized tensor per
+    layer less memory, P-1 K/V transfers and the forward blocks more per layer); ``offload``
+    applies either way."""
     if getattr(checkpoint_fn, "keeps_ring", False):
         return checkpoint_fn
 
     def checkpoint(function, *args, **kwargs):
-        kept = Kept(offload=offload)
+        run = function
+        if keep:
+            kept = Kept(offload=offload)
 
-        def run(*a, **k):
-            with kept.run():
-                return function(*a, **k)
+            def run(*a, **k):
+                with kept.run():
+                    return function(*a, **k)
 
         if not offload:
             return checkpoint_fn(run, *args, **kwargs)
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return checkpoint_fn(run, *args, **kwargs)
 
-    checkpoint.keeps_ring, checkpoint.wrapped, checkpoint.offload = True, checkpoint_fn, offload
+    checkpoint.keeps_ring, checkpoint.wrapped, checkpoint.offload, checkpoint.keep = True, checkpoint_fn, offload, keep
     return checkpoint

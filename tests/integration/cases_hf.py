@@ -324,11 +324,12 @@ def backward_counts(model, batch):
     return loss.detach(), grads, counter.posts, counter.forwards
 
 
-def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=False, enable_first=True):
+def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=False, enable_first=True, keep=True):
     """A checkpointed patched model against the unpatched, non-checkpointed model; its backward
     makes exactly the ring posts of the non-checkpointed patched model's backward (the recompute
     replays no ring) and runs no ring forward. ``enable_first``: checkpointing enabled before
-    patching (else after, as the Trainer does)."""
+    patching (else after, as the Trainer does). ``keep=False`` (patch's keep_ring_outputs):
+    the recompute replays every layer's ring forward instead, and stays exact."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     batch = make_batch(2, 16 * world, "plain")
@@ -344,13 +345,16 @@ def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=Fals
 
     if enable_first:
         enable()
-    ringseq.patch(model, sp=sp, tiled_mlp=tiled_mlp)
+    ringseq.patch(model, sp=sp, tiled_mlp=tiled_mlp, keep_ring_outputs=keep)
     if not enable_first:
         enable()
     assert model._ringseq_patch.offload == offload
     loss, grads, posts, forwards = backward_counts(model, batch)
     where = f"{family} checkpointed tiled_mlp={tiled_mlp} reentrant={reentrant} rank {sp.rank}/{world}"
-    assert (posts, forwards, plain_forwards) == (plain_posts, 0, 0), (where, posts, plain_posts, forwards)
+    layers = model.config.num_hidden_layers
+    replayed = (world - 1) * layers if keep is False else 0  # a causal ring forward posts P-1 times
+    assert (posts, forwards, plain_forwards) == (plain_posts + replayed, 0 if keep else layers, 0), \
+        (where, posts, plain_posts, forwards)
     assert world == 1 or posts > 0, where
     check_against(refs, loss, grads, sp, where)
 

@@ -45,17 +45,18 @@ def test_unsupported_models_are_refused(pool2):
     pool2.run(cases_hf.refuses_unsupported_models)
 
 
-@pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first", [
-    ("llama", None, False, False, True), ("gemma2", None, True, False, False), ("llama", 3, False, True, False),
-    ("qwen3", 2, True, False, True)])
+@pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first,keep", [
+    ("llama", None, False, False, True, True), ("gemma2", None, True, False, False, True),
+    ("llama", 3, False, True, False, True), ("qwen3", 2, True, False, True, True), ("llama", None, False, False, False, False)])
 def test_gradient_checkpointing_never_replays_the_ring(pool2, pool4, family, tiled_mlp, reentrant, offload,
-                                                       enable_first):
+                                                       enable_first, keep):
     """Checkpointed layers (torch's reentrant and non-reentrant checkpoint, enabled before or after
     patching, transformers' offload option) keep their ring outputs: the backward makes exactly the
-    ring posts of the non-checkpointed backward; with tiled MLPs too; exact against the unpatched model."""
-    pool2.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first)
-    if family == "llama":
-        pool4.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first)
+    ring posts of the non-checkpointed backward; with tiled MLPs too; exact against the unpatched model.
+    keep_ring_outputs=False replays each layer's ring, exactly."""
+    pool2.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
+    if family == "llama" and keep:
+        pool4.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
 
 
 def test_tiled_mlp_refuses_what_it_cannot_tile(pool2):
