@@ -7,17 +7,22 @@ Llama the validation trains (d=256, F=688, 8 query / 2 kv heads, D=32):
 ``gemm``       GFLOP/s of [n, d] x [d, F] matmuls, forward and both backward products.
 ``attention``  GFLOP/s of the CPU flash kernel (``aten._scaled_dot_product_flash_attention_for_cpu``
                through SDPA), non-causal 1024 x 1024 block, forward and backward apart.
-``memory``     GB/s of an elementwise ``a + b -> c`` over 64 MB tensors (bytes read + written).
+``memory``     GB/s of an elementwise ``a + b -> c`` over 64 MB tensors (bytes read + written), and
+               ``layer_gbps``: the elementwise work of a layer (RMSNorms, residuals, RoPE, SiLU gate,
+               forward and backward, no matmuls) counted as the planner counts it (5 passes over the
+               elements a layer keeps): the rate the "cpu" preset's ``hbm_gbps`` holds.
 ``gloo``       GB/s and latency (us) of a send/recv between two processes (8 MB and 4 bytes).
 
-Prints JSON lines and writes ``docs/planner_calibration.jsonl``; copy the figures into
-``ringseq/planner/presets.json`` ("cpu"). Usage::
+Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
+Prints JSON lines, writes ``docs/planner_calibration.jsonl`` and, with ``--write-preset``, the
+"cpu" entry of ``ringseq/planner/presets.json``. Usage::
 
-    flock /tmp/ringseq-cpu.lock python benchmarks/planner_calibrate.py
+    flock /tmp/ringseq-cpu.lock python benchmarks/planner_calibrate.py --write-preset
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -32,7 +37,7 @@ import common  # noqa: E402
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
-def _best(fn, reps: int = 5) -> float:
+def _best(fn, reps: int = 10) -> float:
     fn()
     times = []
     for _ in range(reps):
@@ -40,6 +45,37 @@ def _best(fn, reps: int = 5) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def _rms(x, w):
+    xf = x.float()
+    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _rot(x, cos, sin):
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+
+
+_ELEMENTS = 6 * 256 + 2 + 2 * 8 * 32 + 2 * 2 * 32 + 8 + 4 * 688  # ringseq.planner.memory.layer_elements
+
+
+def _elementwise_layer(n: int):
+    """The elementwise work of two tiny-Llama layers (norms, residuals, RoPE, SiLU gate), forward
+    and backward, without their matmuls and attention: what the planner counts at ``hbm_gbps``."""
+    d, F, H, K, D = 256, 688, 8, 2, 32
+    x = torch.randn(1, n, d, requires_grad=True)
+    w = torch.ones(d, requires_grad=True)
+    q, k = torch.randn(1, H, n, D, requires_grad=True), torch.randn(1, K, n, D, requires_grad=True)
+    cos, sin = torch.randn(1, 1, n, D), torch.randn(1, 1, n, D)
+    gate, up = torch.randn(1, n, F, requires_grad=True), torch.randn(1, n, F, requires_grad=True)
+    total = 0
+    for _ in range(2):
+        h = x + _rms(x, w)
+        h = h + _rms(h, w)
+        total = total + h.sum() + _rot(q, cos, sin).sum() + _rot(k, cos, sin).sum() + \
+            (torch.nn.functional.silu(gate) * up).sum()
+    total.backward()
 
 
 def kernels() -> list[dict]:
@@ -60,10 +96,11 @@ def kernels() -> list[dict]:
     a, b = torch.randn(16 << 20), torch.randn(16 << 20)
     c_ = torch.empty_like(a)
     mem = 3 * a.numel() * 4 / _best(lambda: torch.add(a, b, out=c_)) / 1e9
+    layer = 2 * _ELEMENTS * n * 4 * 5 / _best(lambda: _elementwise_layer(n)) / 1e9  # 2 layers' worth, as the planner counts
     return [dict(part="gemm", gflops=round(gemm, 2), shape=[n, d, F]),
             dict(part="attention", fwd_gflops=round(fwd_flops / t_fwd / 1e9, 2),
                  bwd_gflops=round(2.5 * fwd_flops / (t_both - t_fwd) / 1e9, 2), block=c, heads=H, head_dim=D),
-            dict(part="memory", gbps=round(mem, 2))]
+            dict(part="memory", gbps=round(mem, 2), layer_gbps=round(layer, 2))]
 
 
 def _gloo() -> dict:
@@ -87,13 +124,39 @@ def _gloo() -> dict:
                 latency_us=round(out["small"] * 1e6, 1))
 
 
+def write_preset(records: list[dict]) -> None:
+    """Store the measured rates as the "cpu" preset (GEMM rate as peak, kernels as fractions of it)."""
+    by = {r["part"]: r for r in records}
+    path = os.path.join(os.path.dirname(DOCS), "ringseq", "planner", "presets.json")
+    with open(path) as f:
+        presets = json.load(f)
+    g, att, gloo = by["gemm"]["gflops"], by["attention"], by["gloo"]
+    presets["cpu"].update(peak_tflops=round(g / 1e3, 5), gemm_efficiency=1.0,
+                          attn_fwd_efficiency=round(att["fwd_gflops"] / g, 3),
+                          attn_bwd_efficiency=round(att["bwd_gflops"] / g, 3), hbm_gbps=by["memory"]["layer_gbps"],
+                          pcie_gbps=by["memory"]["gbps"], intra_gbps=gloo["gbps"], inter_gbps=gloo["gbps"],
+                          intra_latency_us=gloo["latency_us"], inter_latency_us=gloo["latency_us"])
+    presets["cpu"]["source"] = (f"this machine, measured by benchmarks/planner_calibrate.py on {time.strftime('%Y-%m-%d')} "
+                                f"(docs/planner_calibration.jsonl), one thread per rank, fp32: GEMM {g} GFLOP/s, CPU "
+                                f"flash attention fwd {att['fwd_gflops']} / bwd {att['bwd_gflops']} GFLOP/s, a layer's "
+                                f"elementwise work {by['memory']['layer_gbps']} GB/s, gloo {gloo['gbps']} GB/s and "
+                                f"{gloo['latency_us']} us; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
+                                "attention for keys >= 512")
+    with open(path, "w") as f:
+        f.write(json.dumps(presets, indent=2) + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=DOCS)
+    parser.add_argument("--write-preset", action="store_true", help="store the rates as the cpu preset")
     args = parser.parse_args(argv)
     path = common.fresh_file(args.out, "planner_calibration.jsonl")
-    for rec in kernels() + [common.run_tree(_gloo, 2, 1)]:
+    records = kernels() + [common.run_tree(_gloo, 2, 1)]
+    for rec in records:
         common.emit(rec, path)
+    if args.write_preset:
+        write_preset(records)
 
 
 if __name__ == "__main__":

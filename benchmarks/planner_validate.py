@@ -4,7 +4,7 @@ Each (N, P) runs in a fresh process tree (one thread per rank, gloo), the model 
 ``model_memory.py`` (fp32, 4 layers, d=256) unpatched at P=1 and ``ringseq.patch``-ed over a
 ring of P ranks otherwise. Measured: the first step's peak resident memory above the baseline
 after the model was built (gradients, activations, workspace; not the weights), and the median
-of 2 later steps' time (slowest rank). Next to each measurement the record holds the inputs of
+of 3 later steps' time (slowest rank), after a second warm-up step. Next to each measurement the record holds the inputs of
 ``ringseq.plan`` (preset "cpu", calibrated apart by ``planner_calibrate.py``) and its
 prediction; ``tests/unit/test_planner_measured.py`` recomputes the predictions. Writes
 ``docs/planner_validation.jsonl``. Usage::
@@ -46,6 +46,7 @@ def measure(N: int, reps: int) -> dict:
 
     step()
     peak = common.slowest(common.peak_rss_mb() - base)
+    step()  # the allocator settles over the first steps
     ms = common.timed_ms(step, reps)
     return dict(N=N, P=P, peak_mb=round(peak, 1), step_ms=round(ms, 1))
 
@@ -70,7 +71,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=DOCS)
     args = parser.parse_args(argv)
     path = common.fresh_file(args.out, "planner_validation.jsonl")

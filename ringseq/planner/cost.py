@@ -11,7 +11,8 @@ the step takes max(compute, latency + bytes / bandwidth). w_t is the share of a 
 the slowest rank computes: 1/2 at every step for the balanced layouts (zigzag, striped) under
 a causal mask; 1/2 at step 0 and 1 after it for contiguous (the ring waits for the rank with
 the most visible keys); 1 without a mask. Each step after the first merges its partial output
-into the fp32 accumulator through memory (c h D (8 + b) bytes).
+into the fp32 accumulator through memory (c h D (8 + b) bytes). The diagonal step computes
+the kernel tiles the causal mask cuts whole: 4 c min(tile, c) / 2 h D FLOPs more.
 """
 from __future__ import annotations
 
@@ -50,6 +51,7 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
     compute time multiplier (ranks sharing cores)."""
     c, h, k, b = S / R, m.H / U, max(m.K / U, 1), hw.bytes
     full = 4 * c * c * h * m.D * batch
+    diagonal = 4 * c * min(hw.causal_tile, c) / 2 * h * m.D * batch  # whole tiles on the diagonal
     bw, lat = hw.link(inter)
     fwd_rate = hw.peak_tflops * 1e12 * hw.attn_fwd_efficiency / slowdown
     bwd_rate = hw.peak_tflops * 1e12 * hw.attn_bwd_efficiency / slowdown
@@ -63,7 +65,8 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
         wire, merge = wire * batch, merge * batch
         comm = lat + wire / bw if R > 1 else 0.0
         for t, share in enumerate(shares):
-            compute = share * full * flops / rate + (merge / hbm if t else 0.0)
+            work = share * full + (diagonal if t == 0 and causal else 0.0)
+            compute = work * flops / rate + (merge / hbm if t else 0.0)
             transfer = comm if t < R - 1 else 0.0
             time += max(compute, transfer)
             exposed += max(0.0, transfer - compute)
@@ -107,10 +110,12 @@ def head(m: ModelSpec, hw: Hardware, s: float, f: Features, slowdown: float = 1.
 def state_traffic(m: ModelSpec, hw: Hardware, f: Features, G: int, inter: bool) -> tuple[float, float]:
     """(collective seconds, optimizer seconds) per step: gradient reduction over the G ranks
     (ZeRO-3 adds the weight all-gathers of forward and backward), and Adam's pass over its shard."""
-    if G == 1 or not (f.optimizer or f.zero_stage >= 3):
+    gathers = (2 if f.training else 1) if f.zero_stage >= 3 else 0  # weights all-gathered in forward (and backward)
+    reductions = 1 if f.training and f.optimizer else 0  # gradients reduce-scattered (ZeRO) or all-reduced (twice the volume)
+    volumes = gathers + (reductions if f.zero_stage >= 2 else 2 * reductions)
+    if G == 1 or volumes == 0:
         collective = 0.0
     else:
-        volumes = (3 if f.zero_stage >= 3 else 2) if f.training and f.optimizer else (1 if f.zero_stage >= 3 else 0)
         bw, lat = hw.link(inter)
         collective = volumes * ((G - 1) / G * m.params * hw.bytes / bw + 2 * (G - 1) * lat)
     optimizer = 0.0

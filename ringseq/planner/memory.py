@@ -14,10 +14,11 @@ GB = 2**30
 
 
 def layer_elements(m: ModelSpec) -> int:
-    """Elements per token one Llama layer saves for backward: two RMSNorms (input and
-    normalised output, 2d each), attention inputs q, k, v after RoPE (HD + 2KD), its output
-    (HD) and the contiguous copy o_proj reads (HD), the MLP's gate, up, silu(gate) and product (4F)."""
-    return 4 * m.d + 3 * m.H * m.D + 2 * m.K * m.D + 4 * m.F
+    """Elements per token one Llama layer saves for backward, as autograd's saved tensors of
+    transformers' Llama show them: each RMSNorm its input, the normalised input and the
+    weighted output (3d) and 1/rms (1); attention q, k, v after RoPE, output and log-sum-exp
+    (2HD + 2KD + H); the MLP's gate, up, silu(gate) and product (4F)."""
+    return 6 * m.d + 2 + 2 * m.H * m.D + 2 * m.K * m.D + m.H + 4 * m.F
 
 
 def kept_elements(m: ModelSpec, f: Features) -> float:
@@ -49,7 +50,7 @@ def activations(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> di
     if not f.training:
         kept, layer_ws = 0.0, layer_elements(m) * s * b * B
     else:
-        kept = (m.L * kept_elements(m, f) + 2 * m.d) * s * b * B
+        kept = (m.L * kept_elements(m, f) + 3 * m.d) * s * b * B  # + final norm and the head's input
         layer_ws = layer_elements(m) * s * b * B * (2 if f.checkpointing else 1)
         if f.tiled_mlp:
             layer_ws -= 4 * m.F * s * b * B * (1 - 1 / f.tiled_mlp)
