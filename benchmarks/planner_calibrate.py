@@ -11,6 +11,8 @@ Llama the validation trains (d=256, F=688, 8 query / 2 kv heads, D=32):
                ``layer_gbps``: the elementwise work of a layer (RMSNorms, residuals, RoPE, SiLU gate,
                forward and backward, no matmuls) counted as the planner counts it (5 passes over the
                elements a layer keeps): the rate the "cpu" preset's ``hbm_gbps`` holds.
+``all_cores_busy``  how much slower the same kernels run with one process on every core (two
+               processes at once): the preset's ``busy_slowdown``.
 ``gloo``       GB/s and latency (us) of a send/recv between two processes (8 MB and 4 bytes).
 
 Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
@@ -103,6 +105,12 @@ def kernels() -> list[dict]:
             dict(part="memory", gbps=round(mem, 2), layer_gbps=round(layer, 2))]
 
 
+def _loaded_kernels() -> dict:
+    """``kernels()`` on every rank at once (one per core): rank 0's rates."""
+    dist.barrier()
+    return {r["part"]: r for r in kernels()}
+
+
 def _gloo() -> dict:
     r = dist.get_rank()
     out = {}
@@ -135,12 +143,13 @@ def write_preset(records: list[dict]) -> None:
                           attn_fwd_efficiency=round(att["fwd_gflops"] / g, 3),
                           attn_bwd_efficiency=round(att["bwd_gflops"] / g, 3), hbm_gbps=by["memory"]["layer_gbps"],
                           pcie_gbps=by["memory"]["gbps"], intra_gbps=gloo["gbps"], inter_gbps=gloo["gbps"],
-                          intra_latency_us=gloo["latency_us"], inter_latency_us=gloo["latency_us"])
+                          intra_latency_us=gloo["latency_us"], inter_latency_us=gloo["latency_us"],
+                          busy_slowdown=by["all_cores_busy"]["slowdown"])
     presets["cpu"]["source"] = (f"this machine, measured by benchmarks/planner_calibrate.py on {time.strftime('%Y-%m-%d')} "
                                 f"(docs/planner_calibration.jsonl), one thread per rank, fp32: GEMM {g} GFLOP/s, CPU "
                                 f"flash attention fwd {att['fwd_gflops']} / bwd {att['bwd_gflops']} GFLOP/s, a layer's "
                                 f"elementwise work {by['memory']['layer_gbps']} GB/s, gloo {gloo['gbps']} GB/s and "
-                                f"{gloo['latency_us']} us; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
+                                f"{gloo['latency_us']} us; kernels {by['all_cores_busy']['slowdown']}x slower with every core busy; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
                                 "attention for keys >= 512")
     with open(path, "w") as f:
         f.write(json.dumps(presets, indent=2) + "\n")
@@ -152,7 +161,16 @@ def main(argv=None):
     parser.add_argument("--write-preset", action="store_true", help="store the rates as the cpu preset")
     args = parser.parse_args(argv)
     path = common.fresh_file(args.out, "planner_calibration.jsonl")
-    records = kernels() + [common.run_tree(_gloo, 2, 1)]
+    records = kernels()
+    loaded = common.run_tree(_loaded_kernels, 2, 1)  # the same kernels with every core busy
+    single = {r["part"]: r for r in records}
+    ratios = [single["gemm"]["gflops"] / loaded["gemm"]["gflops"],
+              single["attention"]["fwd_gflops"] / loaded["attention"]["fwd_gflops"],
+              single["attention"]["bwd_gflops"] / loaded["attention"]["bwd_gflops"],
+              single["memory"]["layer_gbps"] / loaded["memory"]["layer_gbps"]]
+    records.append(dict(part="all_cores_busy", slowdown=round(statistics.mean(ratios), 3),
+                        ratios=[round(r, 3) for r in ratios]))
+    records.append(common.run_tree(_gloo, 2, 1))
     for rec in records:
         common.emit(rec, path)
     if args.write_preset:

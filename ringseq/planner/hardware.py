@@ -42,6 +42,9 @@ class Hardware:
     """Bytes per activation / weight element (2 for bf16, 4 for fp32)."""
     cores: int
     """Devices that compute at once on this host (0: every rank has its own device)."""
+    busy_slowdown: float = 1.0
+    """Compute slowdown when every core of the host is busy (shared memory bandwidth and clocks;
+    1 for devices of their own)."""
     causal_tile: int = 128
     """Keys per kernel tile: a causal (diagonal) block of n queries computes n * tile / 2 FLOP-pairs
     more than its n^2 / 2 visible ones, since tiles the diagonal cuts are computed whole."""

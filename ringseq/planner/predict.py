@@ -87,7 +87,9 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     P = R * U
     s = S / P
     on_host = min(G, per_node)
-    slowdown = on_host / hw.cores if hw.cores and on_host > hw.cores else 1.0
+    slowdown = 1.0
+    if hw.cores and on_host >= hw.cores:  # ranks share the host's cores: time-sliced, and each core slower
+        slowdown = on_host / hw.cores * hw.busy_slowdown
     crosses = R > 1 and P > per_node
     ring = cost.ring_layer(m, hw, S, R, U, layout=layout, causal=causal, training=f.training, inter=crosses,
                            slowdown=slowdown, batch=f.micro_batch)
