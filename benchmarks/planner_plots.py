@@ -3,7 +3,8 @@
 ``efficiency``  ring attention's efficiency (ideal / predicted, one Llama-3-8B layer, zigzag,
                 forward+backward, H100 preset) against tokens per device, for a ring of 8 over
                 NVLink and a ring of 64 whose steps cross InfiniBand.
-``stragglers``  the cost of one rank computing 10% slower, against ring length P (8 .. 100,000),
+``stragglers``  the cost of one rank computing 10% slower or 1 ms longer per ring step, against
+                ring length P (8 .. 100,000),
                 for a 1-D ring, Ulysses 8 x ring P/8 and a ring of rings (8 inside x P/8 across).
 ``seed``        at 100,000 ranks: one layer (forward+backward ring) and one training step of the
                 three arrangements, and what one rank throttled by 1 ms, 10 ms (per ring step) or
@@ -74,10 +75,12 @@ def straggler_records(tokens_per_rank: int):
     for P in (8, 64, 512, 4096, 32768, 100_000):
         for name, arr, rows, cols, fwd, bwd in arrangements(m, hw, tokens_per_rank * P, P):
             base, _, _ = layer_time(arr, rows, cols, fwd, bwd)
-            f, e = slowdowns(rows, cols, slow_rank=rows * cols // 2, slow_factor=1.1)
-            slow, _, _ = layer_time(arr, rows, cols, fwd, bwd, f, e)
-            out.append(dict(figure="stragglers", P=P, arrangement=name, layer_s=round(base, 6),
-                            slow_cost=round(slow / base - 1, 4)))
+            rec = dict(figure="stragglers", P=P, arrangement=name, layer_s=round(base, 6))
+            for label, kw in (("10%", dict(slow_factor=1.1)), ("1ms", dict(slow_extra_s=1e-3))):
+                f, e = slowdowns(rows, cols, slow_rank=rows * cols // 2, **kw)
+                slow, _, _ = layer_time(arr, rows, cols, fwd, bwd, f, e)
+                rec[f"slow_cost_{label}"] = round(slow / base - 1, 4)
+            out.append(rec)
     return out
 
 
@@ -139,11 +142,14 @@ def plot_stragglers(records, path):
     fig, ax = plt.subplots(figsize=(6, 4.5))
     for name in dict.fromkeys(r["arrangement"] for r in records):
         rs = [r for r in records if r["arrangement"] == name]
-        ax.plot([r["P"] for r in rs], [100 * r["slow_cost"] for r in rs], marker="o", label=name)
-    ax.set(xscale="log", xlabel="ranks P", ylabel="layer slowdown from one rank 10% slower (%)",
-           title="straggler cost vs ring length (8192 tokens per rank)")
+        line, = ax.plot([r["P"] for r in rs], [100 * r["slow_cost_10%"] for r in rs], marker="o",
+                        label=f"{name}: one rank 10% slower")
+        ax.plot([r["P"] for r in rs], [100 * r["slow_cost_1ms"] for r in rs], marker="s", ls="--",
+                color=line.get_color(), label=f"{name}: one rank +1 ms per ring step")
+    ax.set(xscale="log", yscale="log", xlabel="ranks P", ylabel="ring attention slowdown of the layer (%)",
+           title="one slow rank vs ring length (Llama-3-8B, 8k tokens/rank, H100)")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
