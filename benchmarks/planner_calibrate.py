@@ -98,7 +98,8 @@ def kernels() -> list[dict]:
     a, b = torch.randn(16 << 20), torch.randn(16 << 20)
     c_ = torch.empty_like(a)
     mem = 3 * a.numel() * 4 / _best(lambda: torch.add(a, b, out=c_)) / 1e9
-    layer = 2 * _ELEMENTS * n * 4 * 5 / _best(lambda: _elementwise_layer(n)) / 1e9  # 2 layers' worth, as the planner counts
+    # two layers' worth of elements, five passes each, as the planner counts
+    layer = 2 * _ELEMENTS * n * 4 * 5 / _best(lambda: _elementwise_layer(n)) / 1e9
     return [dict(part="gemm", gflops=round(gemm, 2), shape=[n, d, F]),
             dict(part="attention", fwd_gflops=round(fwd_flops / t_fwd / 1e9, 2),
                  bwd_gflops=round(2.5 * fwd_flops / (t_both - t_fwd) / 1e9, 2), block=c, heads=H, head_dim=D),
@@ -145,11 +146,13 @@ def write_preset(records: list[dict]) -> None:
                           pcie_gbps=by["memory"]["gbps"], intra_gbps=gloo["gbps"], inter_gbps=gloo["gbps"],
                           intra_latency_us=gloo["latency_us"], inter_latency_us=gloo["latency_us"],
                           busy_slowdown=by["all_cores_busy"]["slowdown"])
-    presets["cpu"]["source"] = (f"this machine, measured by benchmarks/planner_calibrate.py on {time.strftime('%Y-%m-%d')} "
+    presets["cpu"]["source"] = (f"this machine, measured by benchmarks/planner_calibrate.py on "
+                                f"{time.strftime('%Y-%m-%d')} "
                                 f"(docs/planner_calibration.jsonl), one thread per rank, fp32: GEMM {g} GFLOP/s, CPU "
                                 f"flash attention fwd {att['fwd_gflops']} / bwd {att['bwd_gflops']} GFLOP/s, a layer's "
                                 f"elementwise work {by['memory']['layer_gbps']} GB/s, gloo {gloo['gbps']} GB/s and "
-                                f"{gloo['latency_us']} us; kernels {by['all_cores_busy']['slowdown']}x slower with every core busy; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
+                                f"{gloo['latency_us']} us; kernels {by['all_cores_busy']['slowdown']}x slower with "
+                                "every core busy; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
                                 "attention for keys >= 512")
     with open(path, "w") as f:
         f.write(json.dumps(presets, indent=2) + "\n")

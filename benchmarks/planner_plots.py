@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
 import numpy as np
 
@@ -54,7 +53,8 @@ def arrangements(m, hw, S, P):
     return [("1-D ring", "ring", rows, PER_NODE, ring_costs(m, hw, S, P), ring_costs(m, hw, S, P, backward=True)),
             ("Ulysses 8 x ring", "ulysses", rows, PER_NODE, ring_costs(m, hw, S, rows, PER_NODE),
              ring_costs(m, hw, S, rows, PER_NODE, backward=True)),
-            ("ring of rings 8 x", "ring2d", rows, PER_NODE, ring_costs(m, hw, S, P), ring_costs(m, hw, S, P, backward=True))]
+            ("ring of rings 8 x", "ring2d", rows, PER_NODE, ring_costs(m, hw, S, P),
+             ring_costs(m, hw, S, P, backward=True))]
 
 
 def layer_time(arrangement, rows, cols, fwd, bwd, factor=None, extra=None):
@@ -98,8 +98,9 @@ def seed_records(tokens_per_rank: int, P: int = 100_000):
     out = []
     for name, arr, rows, cols, fwd, bwd in arrangements(m, hw, S, P):
         base, secs, finish = layer_time(arr, rows, cols, fwd, bwd)
-        rec = dict(figure="seed", P=P, arrangement=name, shape=f"{rows} x {cols}", tokens_per_rank=tokens_per_rank, tokens=S,
-                   ring_step_ms=round(fwd.compute * 1e3, 3), layer_s=round(base, 3), step_s=round(m.L * base + dense, 1),
+        rec = dict(figure="seed", P=P, arrangement=name, shape=f"{rows} x {cols}", tokens_per_rank=tokens_per_rank,
+                   tokens=S, ring_step_ms=round(fwd.compute * 1e3, 3), layer_s=round(base, 3),
+                   step_s=round(m.L * base + dense, 1),
                    rank_finish_ms={k: round(float(v) * 1e3, 3) for k, v in
                                    zip(("p1", "p50", "p99"), np.percentile(finish, [1, 50, 99]))},
                    simulated_in_s=round(secs, 2))

@@ -4,16 +4,18 @@ Each (N, P) runs in a fresh process tree (one thread per rank, gloo), the model 
 ``model_memory.py`` (fp32, 4 layers, d=256) unpatched at P=1 and ``ringseq.patch``-ed over a
 ring of P ranks otherwise. Measured: the first step's peak resident memory above the baseline
 after the model was built (gradients, activations, workspace; not the weights), and the median
-of 3 later steps' time (slowest rank), after a second warm-up step. Next to each measurement the record holds the inputs of
-``ringseq.plan`` (preset "cpu", calibrated apart by ``planner_calibrate.py``) and its
-prediction; ``tests/unit/test_planner_measured.py`` recomputes the predictions. Writes
+of 3 later steps' time (slowest rank), after a second warm-up step. Next to each measurement the
+record holds the inputs of ``ringseq.plan`` (preset "cpu", calibrated apart by
+``planner_calibrate.py``) and its prediction; ``tests/unit/test_planner_measured.py`` recomputes the predictions. Writes
 ``docs/planner_validation.jsonl``. Usage::
 
     flock /tmp/ringseq-cpu.lock python benchmarks/planner_validate.py
+    python benchmarks/planner_validate.py --repredict   # new predictions beside the stored measurements
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -67,24 +69,40 @@ def predict(inputs: dict) -> dict:
                 peak_mb=round((sum(parts.values()) - parts["weights"]) * 1024, 1))
 
 
+def record(N: int, P: int, measured: dict) -> dict:
+    """One line of the validation file: the measurement, the plan's inputs, prediction and error."""
+    inputs = plan_inputs(N, P)
+    pred = predict(inputs)
+    return dict(N=N, P=P, measured=measured, predicted=pred,
+                error=dict(step=round(pred["step_ms"] / measured["step_ms"] - 1, 3),
+                           memory=round(pred["peak_mb"] / measured["peak_mb"] - 1, 3)), plan=inputs)
+
+
+def repredict(path: str) -> None:
+    """Recompute the predictions beside the stored measurements (after a change to the model)."""
+    with open(path) as f:
+        old = [json.loads(line) for line in f]
+    with open(path, "w") as f:
+        for rec in old:
+            f.write(json.dumps(record(rec["N"], rec["P"], rec["measured"])) + "\n")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--out", default=DOCS)
+    parser.add_argument("--repredict", action="store_true", help="keep the measurements, recompute the predictions")
     args = parser.parse_args(argv)
+    if args.repredict:
+        return repredict(os.path.join(args.out, "planner_validation.jsonl"))
     path = common.fresh_file(args.out, "planner_validation.jsonl")
     start = time.perf_counter()
     for N in args.lengths:
         for P in args.sizes:
             got = common.run_tree(measure, P, 1, N, args.reps)
-            inputs = plan_inputs(N, P)
-            pred = predict(inputs)
-            common.emit(dict(N=N, P=P, measured=dict(step_ms=got["step_ms"], peak_mb=got["peak_mb"]), predicted=pred,
-                             error=dict(step=round(pred["step_ms"] / got["step_ms"] - 1, 3),
-                                        memory=round(pred["peak_mb"] / got["peak_mb"] - 1, 3)),
-                             plan=inputs), path)
+            common.emit(record(N, P, dict(step_ms=got["step_ms"], peak_mb=got["peak_mb"])), path)
     print(f"wrote {path} in {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
 

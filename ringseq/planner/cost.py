@@ -78,7 +78,8 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
     return RingTime(time, exposed, ideal)
 
 
-def ulysses_layer(m: ModelSpec, hw: Hardware, s: float, U: int, *, training: bool, inter: bool, batch: int = 1) -> float:
+def ulysses_layer(m: ModelSpec, hw: Hardware, s: float, U: int, *, training: bool, inter: bool,
+                  batch: int = 1) -> float:
     """All-to-alls of one layer: q, k, v in and the output back (backward: their gradients).
     A rank sends (U-1)/U of its s tokens of each; kv heads fewer than U are replicated."""
     if U == 1:
@@ -112,7 +113,8 @@ def state_traffic(m: ModelSpec, hw: Hardware, f: Features, G: int, inter: bool) 
     """(collective seconds, optimizer seconds) per step: gradient reduction over the G ranks
     (ZeRO-3 adds the weight all-gathers of forward and backward), and Adam's pass over its shard."""
     gathers = (2 if f.training else 1) if f.zero_stage >= 3 else 0  # weights all-gathered in forward (and backward)
-    reductions = 1 if f.training and f.optimizer else 0  # gradients reduce-scattered (ZeRO) or all-reduced (twice the volume)
+    # gradients reduce-scattered (ZeRO-2/3) or all-reduced (twice the volume)
+    reductions = 1 if f.training and f.optimizer else 0
     volumes = gathers + (reductions if f.zero_stage >= 2 else 2 * reductions)
     if G == 1 or volumes == 0:
         collective = 0.0

@@ -69,5 +69,6 @@ def model_spec(model) -> ModelSpec:
     D = int(fields.get("head_dim") or fields["hidden_size"] // H)
     if H % K:
         raise RingSeqError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {K}")
-    return ModelSpec(d=int(fields["hidden_size"]), F=int(fields["intermediate_size"]), L=int(fields["num_hidden_layers"]),
+    return ModelSpec(d=int(fields["hidden_size"]), F=int(fields["intermediate_size"]),
+                     L=int(fields["num_hidden_layers"]),
                      H=H, K=K, D=D, V=int(fields["vocab_size"]), tied=bool(fields.get("tie_word_embeddings", False)))

@@ -136,9 +136,9 @@ def _recommend(modes: list[ModeEstimate], hw: Hardware, f: Features, chosen: int
     if others:
         reason += f"; next {others[0].name} at {others[0].step_time_s:.3g} s"
     if best.memory_per_rank_gb > hw.memory_gb:
-        fixes = ["add gpus"] + [fix for fix, on in (("checkpointing=True", f.checkpointing), ("tiled_mlp=4", f.tiled_mlp),
-                                                    ("offload=True", f.offload), ("zero_stage=3", f.zero_stage == 3))
-                                if not on]
+        switches = (("checkpointing=True", f.checkpointing), ("tiled_mlp=4", f.tiled_mlp),
+                    ("offload=True", f.offload), ("zero_stage=3", f.zero_stage == 3))
+        fixes = ["add gpus"] + [fix for fix, on in switches if not on]
         reason += f"; needs {best.memory_per_rank_gb:.1f} GiB per rank of {hw.memory_gb:g}: {', '.join(fixes)}"
     return best, reason
 

@@ -14,7 +14,8 @@ def ring_costs(m: ModelSpec, hw: Hardware, S: int, R: int, U: int = 1, *, backwa
     c, h, k, b = S / R, m.H / U, max(m.K / U, 1), hw.bytes
     eff, flops, wire = ((hw.attn_bwd_efficiency, BWD_FLOPS, 2 * c * k * m.D * (b + 4)) if backward
                         else (hw.attn_fwd_efficiency, 1.0, 2 * c * k * m.D * b))
-    compute = 0.5 * 4 * c * c * h * m.D * flops / (hw.peak_tflops * 1e12 * eff) + c * h * m.D * (8 + b) / (hw.hbm_gbps * 1e9)
+    compute = (0.5 * 4 * c * c * h * m.D * flops / (hw.peak_tflops * 1e12 * eff)
+               + c * h * m.D * (8 + b) / (hw.hbm_gbps * 1e9))
     (intra_bw, intra_lat), (inter_bw, inter_lat) = hw.link(False), hw.link(True)
     s = S / (R * U)
     a2a = 0.0

@@ -31,8 +31,8 @@ def test_one_slow_rank_holds_up_a_1d_ring_every_step_and_a_2d_ring_fewer():
     rows, cols, delta = 64, 8, 0.5
     costs = Costs(compute=1.0, intra=0.1, inter=0.5, all_to_all=0.2)
     factor, extra = slowdowns(rows, cols, slow_rank=3, slow_extra_s=delta)
-    cost = {a: simulate(a, rows, cols, costs, factor=factor, extra=extra).makespan - simulate(a, rows, cols, costs).makespan
-            for a in ("ring", "ulysses")}
+    cost = {a: simulate(a, rows, cols, costs, factor=factor, extra=extra).makespan
+            - simulate(a, rows, cols, costs).makespan for a in ("ring", "ulysses")}
     assert cost["ring"] == pytest.approx(rows * cols * delta)  # the cascade: every one of P steps waits for it
     assert cost["ulysses"] == pytest.approx(rows * delta)  # only its ring of `rows` steps, then the all-to-all
 
