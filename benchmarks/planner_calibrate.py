@@ -14,6 +14,9 @@ Llama the validation trains (d=256, F=688, 8 query / 2 kv heads, D=32):
 ``all_cores_busy``  how much slower the same kernels run with one process on every core (two
                processes at once): the preset's ``busy_slowdown``.
 ``gloo``       GB/s and latency (us) of a send/recv between two processes (8 MB and 4 bytes).
+``ring``       ms of one ``ringseq.ring_attention`` forward+backward at P=2 at 32 and 1024 tokens
+               per rank: the preset's ``ring_overhead_ms`` (the 32-token call less its kernels) and
+               ``ring_compute_factor`` (the rest of the 1024-token call over the kernel-rate prediction).
 
 Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
 Prints JSON lines, writes ``docs/planner_calibration.jsonl`` and, with ``--write-preset``, the
@@ -112,6 +115,33 @@ def _loaded_kernels() -> dict:
     return {r["part"]: r for r in kernels()}
 
 
+def _ring_call() -> dict:
+    """ms of one ringseq.ring_attention forward+backward at P=2 ranks (this model's 8/2 heads,
+    D=32), at 32 and 1024 tokens per rank: its fixed cost and how its compute compares."""
+    import ringseq
+
+    sp = ringseq.init(sp_size=dist.get_world_size())
+    out = {}
+    for s in (32, 1024):
+        q = torch.randn(1, 8, s, 32, requires_grad=True)
+        k, v = (torch.randn(1, 2, s, 32, requires_grad=True) for _ in range(2))
+
+        def step():
+            o = ringseq.ring_attention(q, k, v, sp=sp)
+            o.backward(torch.ones_like(o))
+
+        for _ in range(3):
+            step()
+        times = []
+        for _ in range(10):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            times.append(common.slowest(time.perf_counter() - start))
+        out[s] = min(times) * 1e3
+    return dict(part="ring", ms_32=round(out[32], 2), ms_1024=round(out[1024], 2))
+
+
 def _gloo() -> dict:
     r = dist.get_rank()
     out = {}
@@ -154,8 +184,28 @@ def write_preset(records: list[dict]) -> None:
                                 f"{gloo['latency_us']} us; kernels {by['all_cores_busy']['slowdown']}x slower with "
                                 "every core busy; 2 cores; causal_tile 512: kvSplitSize of aten's CPU flash "
                                 "attention for keys >= 512")
+    presets["cpu"].update(ring_compute_factor=1.0, ring_overhead_ms=0.0)
+    presets["cpu"].update(_ring_fields(presets["cpu"], by["ring"]))
+    presets["cpu"]["source"] += (f"; ring_attention at P=2 (8/2 heads, D=32): {by['ring']['ms_32']} ms per call at 32 "
+                                 f"tokens per rank, {by['ring']['ms_1024']} ms at 1024")
     with open(path, "w") as f:
         f.write(json.dumps(presets, indent=2) + "\n")
+
+
+def _ring_fields(cpu: dict, ring: dict) -> dict:
+    """ring_overhead_ms: the measured call at 32 tokens less its predicted kernel time;
+    ring_compute_factor: the rest of the 1024-token call over its predicted ring time."""
+    from ringseq.planner import Hardware
+    from ringseq.planner.cost import ring_layer
+    from ringseq.planner.model_spec import ModelSpec
+
+    hw = Hardware(name="cpu", **cpu)
+    m = ModelSpec(d=256, F=688, L=4, H=8, K=2, D=32, V=2048)
+    predicted = {s: ring_layer(m, hw, 2 * s, 2, 1).time_s * 1e3 for s in (32, 1024)}
+    fixed = max(0.0, ring["ms_32"] - predicted[32])
+    return dict(ring_overhead_ms=round(fixed, 2),
+                ring_compute_factor=round(max(1.0, (ring["ms_1024"] - fixed) / predicted[1024]), 3))
+
 
 
 def main(argv=None):
@@ -174,6 +224,7 @@ def main(argv=None):
     records.append(dict(part="all_cores_busy", slowdown=round(statistics.mean(ratios), 3),
                         ratios=[round(r, 3) for r in ratios]))
     records.append(common.run_tree(_gloo, 2, 1))
+    records.append(common.run_tree(_ring_call, 2, 1))
     for rec in records:
         common.emit(rec, path)
     if args.write_preset:

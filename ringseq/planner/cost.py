@@ -12,7 +12,9 @@ the slowest rank computes: 1/2 at every step for the balanced layouts (zigzag, s
 a causal mask; 1/2 at step 0 and 1 after it for contiguous (the ring waits for the rank with
 the most visible keys); 1 without a mask. Each step after the first merges its partial output
 into the fp32 accumulator through memory (c h D (8 + b) bytes). The diagonal step computes
-the kernel tiles the causal mask cuts whole: 4 c min(tile, c) / 2 h D FLOPs more.
+the kernel tiles the causal mask cuts whole: 4 c min(tile, c) / 2 h D FLOPs more. With a ring
+of more than one rank, step compute is scaled by the preset's ``ring_compute_factor`` and each
+call pays ``ring_overhead_ms`` (both measured on CPU; 1 and 0 on the GPU presets).
 """
 from __future__ import annotations
 
@@ -60,13 +62,14 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
     if training:
         passes.append((bwd_rate, BWD_FLOPS, 2 * c * k * m.D * (b + 4), c * (h + 2 * k) * m.D * (8 + b)))
     shares = step_shares(R, layout, causal)
+    factor = hw.ring_compute_factor if R > 1 else 1.0
     time = exposed = ideal = 0.0
     for rate, flops, wire, merge in passes:
         wire, merge = wire * batch, merge * batch
         comm = lat + wire / bw if R > 1 else 0.0
         for t, share in enumerate(shares):
             work = share * full + (diagonal if t == 0 and causal else 0.0)
-            compute = work * flops / rate + (merge / hbm if t else 0.0)
+            compute = factor * (work * flops / rate + (merge / hbm if t else 0.0))
             transfer = comm if t < R - 1 else 0.0
             time += max(compute, transfer)
             exposed += max(0.0, transfer - compute)
@@ -75,6 +78,8 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
         home = lat + 2 * c * k * m.D * 4 * batch / bw
         time += home
         exposed += home
+    if R > 1:  # fixed cost of a ring call (forward alone: a third of forward + backward)
+        time += hw.ring_overhead_ms * 1e-3 * slowdown * (1.0 if training else 1 / 3)
     return RingTime(time, exposed, ideal)
 
 

@@ -45,6 +45,12 @@ class Hardware:
     busy_slowdown: float = 1.0
     """Compute slowdown when every core of the host is busy (shared memory bandwidth and clocks;
     1 for devices of their own)."""
+    ring_compute_factor: float = 1.0
+    """Ring steps' compute time / what the kernel rates give (the ring's own work around the
+    kernels: slicing, merges, zero-filled accumulators); measured on CPU, 1 where unmeasured."""
+    ring_overhead_ms: float = 0.0
+    """Fixed time of one ring attention call, forward + backward, with a ring of more than one
+    rank (Python, agreements, transfer set-up); measured on CPU, 0 where unmeasured."""
     causal_tile: int = 128
     """Keys per kernel tile: a causal (diagonal) block of n queries computes n * tile / 2 FLOP-pairs
     more than its n^2 / 2 visible ones, since tiles the diagonal cuts are computed whole."""
