@@ -6,7 +6,7 @@ import sys
 
 from ringseq.errors import RingSeqError
 
-from . import check_cmd, demo_cmd, env_cmd, launch_cmd
+from . import check_cmd, demo_cmd, env_cmd, launch_cmd, plan_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cmd.add_parser(sub)
     env_cmd.add_parser(sub)
     check_cmd.add_parser(sub)
+    plan_cmd.add_parser(sub)
     return parser
 
 

@@ -2,7 +2,7 @@
 
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
-``config``, ``stats`` (straggler report), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
+``config``, ``stats`` (straggler report), ``plan`` (cost model), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
 ``SFTTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
 third-party libraries on first use.
 """
@@ -11,6 +11,7 @@ from .attention import ring_attention, token_info
 from .batch import shard_batch
 from .errors import RingSeqError
 from .layouts import LAYOUTS
+from .planner import plan
 from .sharding import gather, shard
 from .stats import stats
 from .topology import SequenceParallel, init
@@ -18,7 +19,7 @@ from .topology import SequenceParallel, init
 __version__ = "0.1.0"
 
 __all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
-           "join_deepspeed", "loss", "patch", "prepare_accelerator", "ring_attention", "shard", "shard_batch",
+           "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "ring_attention", "shard", "shard_batch",
            "stats", "token_info", "unpatch"]
 
 

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import importlib.util, sys
 import ringseq, ringseq.patches, ringseq.launch, ringseq.launch.cli, ringseq.attention.kernels.select
+assert {"h100", "cpu"} <= set(ringseq.planner.presets()), "the planner's presets are not installed"
 assert importlib.util.find_spec("patches") is None, "a top-level 'patches' is importable"
 assert importlib.util.find_spec("launch") is None, "a top-level 'launch' is importable"
 print(ringseq.__file__); print(ringseq.patches.__file__)
@@ -42,7 +43,7 @@ def test_wheel_install(tmp_path):
     assert tops == {"ringseq", next(t for t in tops if t.endswith(".dist-info"))}, tops
     assert "ringseq/patches/__init__.py" in names and "ringseq/launch/cli.py" in names
     assert "ringseq/attention/ring.py" in names and "ringseq/attention/kernels/select.py" in names
-    assert "ringseq/launch/configs/ds_zero2.json" in names
+    assert "ringseq/launch/configs/ds_zero2.json" in names and "ringseq/planner/presets.json" in names
     target = tmp_path / "site"
     install = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target",
                               str(target), str(wheel)], capture_output=True, text=True)

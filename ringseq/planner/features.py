@@ -1,0 +1,39 @@
+"""The training set-up the planner costs: ZeRO stage and ringseq's memory features."""
+from __future__ import annotations
+
+import dataclasses
+
+from ringseq.errors import RingSeqError
+
+LOSS_CHUNK = 4096  # tokens per slab of ringseq's chunked loss (ringseq.loss.CHUNK)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Features:
+    """What a rank keeps and recomputes."""
+
+    training: bool = True
+    """forward + backward (False: one forward, e.g. a prefill)."""
+    zero_stage: int = 3
+    """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights, over all ranks."""
+    optimizer: bool = True
+    """Adam state and the gradient reduction (False: forward + backward only, as the CPU validation measures)."""
+    checkpointing: bool = False
+    """Gradient checkpointing of every layer; ringseq keeps the ring's output and log-sum-exp, so the
+    recompute never replays the ring."""
+    tiled_mlp: int | None = None
+    """MLP computed in this many sequence tiles under checkpointing (``ringseq.patch(tiled_mlp=...)``)."""
+    chunked_loss: bool = True
+    """Loss computed in slabs of ``LOSS_CHUNK`` tokens: logits never held for the whole shard."""
+    offload: bool = False
+    """Optimizer state (and with ZeRO-3 the weights) offloaded to host memory."""
+    micro_batch: int = 1
+    """Sequences per step and rank group."""
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise RingSeqError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.tiled_mlp is not None and (isinstance(self.tiled_mlp, bool) or self.tiled_mlp < 1):
+            raise RingSeqError(f"tiled_mlp must be a number of tiles >= 1 or None, got {self.tiled_mlp!r}")
+        if self.micro_batch < 1:
+            raise RingSeqError(f"micro_batch must be >= 1, got {self.micro_batch}")

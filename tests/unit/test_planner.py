@@ -1,0 +1,138 @@
+"""ringseq.plan: inputs (config object, dict, config.json), fields, memory features, errors, CLI."""
+import ast
+import json
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import ringseq
+from ringseq.planner import Plan, hardware, presets
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                num_key_value_heads=8, vocab_size=128256)
+CLUSTER = dict(seq_len=1_000_000, gpus=64, gpus_per_node=8, hardware="h100")
+
+
+def test_config_object_dict_and_path_give_the_same_plan(tmp_path):
+    from transformers.models.llama.configuration_llama import LlamaConfig
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_8B))
+    plans = [ringseq.plan(model=m, **CLUSTER) for m in (LLAMA_8B, LlamaConfig(**LLAMA_8B), str(path), tmp_path)]
+    assert all(isinstance(p, Plan) for p in plans)
+    assert len({(p.step_time_s, p.memory_per_rank_gb) for p in plans}) == 1
+
+
+def test_one_mode_per_shape_that_splits_the_heads_and_the_fastest_fitting_one_is_recommended():
+    p = ringseq.plan(model=LLAMA_8B, **CLUSTER, checkpointing=True)
+    shapes = {(e.ulysses, e.ring) for e in p.modes}
+    # 32 query / 8 kv heads: Ulysses 1, 2, 4, 8, 16, 32 (16 and 32 replicate kv heads), never 64
+    assert shapes == {(u, 64 // u) for u in (1, 2, 4, 8, 16, 32)}
+    fitting = [e for e in p.modes if e.memory_per_rank_gb <= 80]
+    best = min(fitting, key=lambda e: e.step_time_s)
+    assert (p.recommendation.ulysses, p.recommendation.ring) == (best.ulysses, best.ring)
+    assert p.step_time_s == best.step_time_s and p.memory_per_rank_gb == best.memory_per_rank_gb
+    assert p.recommendation.mode in p.recommendation.reason and p.fits
+    for e in p.modes:
+        assert 0 < e.efficiency <= 1 and e.exposed_comm_s >= 0 and e.step_time_s > 0
+        assert e["ring"] == e.ring  # readable as a mapping too
+    assert json.loads(json.dumps(p.to_dict()))["recommendation"]["mode"] == p.recommendation.mode
+
+
+def test_memory_features_and_zero_stages_lower_memory_in_order():
+    def mem(**kw):
+        return ringseq.plan(model=LLAMA_8B, **CLUSTER, **kw).memory_per_rank_gb
+
+    stages = [mem(zero_stage=z) for z in (0, 1, 2, 3)]
+    assert stages == sorted(stages, reverse=True) and stages[0] - stages[3] > 100  # 8B x 16 bytes is 120 GB
+    plain = mem()
+    assert mem(checkpointing=True) < mem(tiled_mlp=4) < plain
+    assert mem(checkpointing=True, tiled_mlp=4) <= mem(checkpointing=True)  # here the loss's slab is the peak
+    small_vocab = dict(LLAMA_8B, vocab_size=32000)  # there one layer's recompute is
+    assert ringseq.plan(model=small_vocab, **CLUSTER, checkpointing=True, tiled_mlp=4).memory_per_rank_gb < \
+        ringseq.plan(model=small_vocab, **CLUSTER, checkpointing=True).memory_per_rank_gb
+    assert mem(chunked_loss=False) > plain and mem(offload=True) < plain
+    assert ringseq.plan(model=LLAMA_8B, **{**CLUSTER, "gpus": 128}).memory_per_rank_gb < plain
+
+
+def test_slower_links_expose_more_communication_and_faster_chips_need_longer_blocks():
+    ring = dict(model=LLAMA_8B, seq_len=131072, gpus=64, gpus_per_node=8, ulysses_size=1)
+    fast, slow = ringseq.plan(**ring), ringseq.plan(**ring, inter_gbps=2)
+    assert slow.step_time_s > fast.step_time_s and slow.modes[0].exposed_comm_s > fast.modes[0].exposed_comm_s
+    assert slow.min_tokens_per_rank_for_overlap > 10 * fast.min_tokens_per_rank_for_overlap
+    assert ringseq.plan(**ring, tflops=2000).min_tokens_per_rank_for_overlap > fast.min_tokens_per_rank_for_overlap
+    # zigzag computes half a block per step: twice the block a full (non-causal) step would need
+    import dataclasses
+
+    from ringseq.planner.cost import overlap_block
+
+    hw = dataclasses.replace(hardware("h100"), inter_latency_us=0)
+
+    assert overlap_block(hw, 32, 8, 128, share=0.5, inter=True, training=False) == pytest.approx(
+        2 * overlap_block(hw, 32, 8, 128, share=1.0, inter=True, training=False), rel=0.01)
+
+
+@pytest.mark.parametrize("kwargs, words", [
+    (dict(gpus=12), "whole number of nodes"),
+    (dict(hardware="tpu-v9"), "unknown hardware"),
+    (dict(ulysses_size=64), "ulysses_size 64 cannot split"),
+    (dict(sp_size=48), "does not divide gpus"),
+    (dict(layout="spiral"), "unknown layout"),
+    (dict(zero_stage=4), "zero_stage"),
+    (dict(inter_gbps=-1), "must be positive"),
+    (dict(seq_len=0), "positive integer"),
+])
+def test_bad_inputs_raise_ringseq_error_saying_what_to_change(kwargs, words):
+    with pytest.raises(ringseq.RingSeqError, match=words):
+        ringseq.plan(model=LLAMA_8B, **{**CLUSTER, **kwargs})
+
+
+def test_configs_without_the_needed_fields_are_refused(tmp_path):
+    with pytest.raises(ringseq.RingSeqError, match="lacks"):
+        ringseq.plan(model={"hidden_size": 64}, **CLUSTER)
+    with pytest.raises(ringseq.RingSeqError, match="no model config"):
+        ringseq.plan(model=str(tmp_path / "missing.json"), **CLUSTER)
+
+
+def test_presets_are_data_and_the_planner_imports_no_torch():
+    assert {"h100", "h200", "a100", "cpu"} <= set(presets())
+    assert hardware("h200").memory_gb > hardware("h100").memory_gb
+    for path in pathlib.Path(ringseq.planner.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            assert not any(n.split(".")[0] == "torch" for n in names), f"{path.name} imports torch"
+    assert ringseq.plan is ringseq.planner.predict.plan and "plan" in ringseq.__all__
+
+
+def test_cli_prints_the_plan_as_json_in_a_real_subprocess(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_8B))
+    out = subprocess.run([sys.executable, "-m", "ringseq.launch.cli", "plan", "--model", str(config), "--seq-len",
+                          "1000000", "--gpus", "64", "--gpus-per-node", "8", "--hardware", "h100", "--json"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    expect = ringseq.plan(model=str(config), **CLUSTER)
+    assert got["step_time_s"] == pytest.approx(expect.step_time_s)
+    assert got["recommendation"]["mode"] == expect.recommendation.mode
+    assert len(got["modes"]) == len(expect.modes)
+
+
+def test_cli_table_overrides_and_errors(tmp_path, capsys):
+    from ringseq.launch.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_8B))
+    args = ["plan", "--model", str(config), "--seq-len", "1000000", "--gpus", "64"]
+    assert main(args) == 0
+    table = capsys.readouterr().out
+    assert ringseq.plan(model=LLAMA_8B, **CLUSTER).recommendation.reason in table
+    assert main(args + ["--inter-gbps", "1", "--json"]) == 0
+    slow = json.loads(capsys.readouterr().out)
+    assert slow["hardware"] == "h100+custom"
+    assert slow["step_time_s"] > ringseq.plan(model=LLAMA_8B, **CLUSTER).step_time_s
+    assert main(args + ["--gpus", "12"]) == 2
+    assert "whole number of nodes" in capsys.readouterr().err
