@@ -15,16 +15,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from . import lockstep
+from .slabs import SLAB_BYTES, slab_tokens  # noqa: F401 - part of this module's interface
 
 IGNORE = -100
-SLAB_BYTES = 64 * 2**20
-"""fp32 logits per slab of the chunked loss (its backward holds about three slabs' worth at once)."""
-
-
-def slab_tokens(vocab: int) -> int:
-    """Tokens per slab of the chunked loss for a vocabulary: 524 at 32k, 131 at 128k (at least 16,
-    so that a slab's matmul stays efficient)."""
-    return max(16, SLAB_BYTES // (4 * vocab))
 
 
 def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torch.Tensor:

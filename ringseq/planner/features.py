@@ -5,8 +5,6 @@ import dataclasses
 
 from ringseq.errors import RingSeqError
 
-LOSS_CHUNK = 4096  # tokens per slab of ringseq's chunked loss (ringseq.loss.CHUNK)
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Features:
@@ -24,7 +22,8 @@ class Features:
     tiled_mlp: int | None = None
     """MLP computed in this many sequence tiles under checkpointing (``ringseq.patch(tiled_mlp=...)``)."""
     chunked_loss: bool = True
-    """Loss computed in slabs of ``LOSS_CHUNK`` tokens: logits never held for the whole shard."""
+    """Loss computed in slabs of ``ringseq.slabs.slab_tokens(vocab)`` tokens: logits never held for the
+    whole shard."""
     offload: bool = False
     """Optimizer state (and with ZeRO-3 the weights) offloaded to host memory."""
     micro_batch: int = 1

@@ -7,7 +7,9 @@ backward, the ring's buffers) are added once, at their largest.
 """
 from __future__ import annotations
 
-from .features import LOSS_CHUNK, Features
+from ringseq.slabs import slab_tokens
+
+from .features import Features
 from .model_spec import ModelSpec
 
 GB = 2**30
@@ -59,7 +61,7 @@ def activations(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> di
     if f.training:
         ring = max(ring, (2 * 2 * c * k * m.D * (b + 4) + c * h * m.D * 4) * B)  # K/V + fp32 dK/dV, fp32 dQ
     ulysses = 2 * s * (2 * m.H + 2 * max(m.K, U)) * m.D * b * B if U > 1 else 0.0
-    rows = min(s, LOSS_CHUNK) if f.chunked_loss else s
+    rows = min(s, slab_tokens(m.V)) if f.chunked_loss else s
     loss = rows * m.V * (b + (4 if b < 4 else 0) + (8 if f.training else 0)) * B  # logits, fp32 copy, log-softmax, grad
     return dict(activations=kept, transient=max(loss, layer_ws + ring + ulysses))
 
