@@ -53,8 +53,9 @@ def test_a_stopped_peer_ends_every_wait_within_the_timeout():
     results = _stopped_run(2, ["forward", "backward"])  # two rings of 2: one stops in forward, one in backward
     _check_stopped([r for r in results[:2] if r], 1, 2, "forward")
     _check_stopped([r for r in results[2:] if r], 1, 2, "backward")
-    for phase in ("forward", "backward"):  # one ring of 4
-        _check_stopped([r for r in _stopped_run(4, [phase]) if r], 1, 4, phase)
+    # one ring of 4, stopped in backward (after a whole forward: every wait kind of the call so far);
+    # the forward stop is covered by the rings of 2 above
+    _check_stopped([r for r in _stopped_run(4, ["backward"]) if r], 1, 4, "backward")
 
 
 def test_a_dead_peer_is_a_ringseq_error_at_once():

@@ -54,3 +54,17 @@ def test_lockstep_benchmark(tmp_path):
     (r, summary) = records
     assert r["P"] == 2 and r["call_ms"] > 0 and 0 < r["agree_share"] < 1 and r["delayed_slowest_rank"] == 1, r
     assert "median_agree_share" in summary and (tmp_path / "lockstep.png").exists()
+
+
+def test_longest_benchmark(tmp_path):
+    """The search, the watchdog-free path and the plot at a toy size (ALST through DeepSpeed and
+    ringseq with every memory feature): both fit the cap of 1024 tokens in a generous budget."""
+    records = bench("longest.py", "--model", "tiny", "--systems", "ringseq:2:loss,ckpt,tiled", "alst:2",
+                    "--budget-mb", "2048", "--start", "512", "--grain", "512", "--max-n", "1024", "--common", "0",
+                    out=tmp_path)
+    best = {r["system"]: r for r in records if r["kind"] == "longest"}
+    assert set(best) == {"ringseq:2:loss,ckpt,tiled", "alst:2:"}
+    assert all(r["longest_N"] == 1024 and r["capped"] for r in best.values()), best
+    probes = [r for r in records if r["kind"] == "probe"]
+    assert [r["N"] for r in probes] == [512, 1024, 512, 1024] and all(r["fits"] and r["step_mb"] > 0 for r in probes)
+    assert (tmp_path / "longest.png").exists()

@@ -8,7 +8,8 @@ from . import cases_hf
 @pytest.mark.parametrize("family", cases_hf.FAMILIES)
 def test_family_matches_unpatched(pool2, pool4, family, layout):
     pool2.run(cases_hf.parity, family, layout)
-    pool4.run(cases_hf.parity, family, layout)
+    if layout == "zigzag":  # world 4 once per family; the contiguous layout at world 4 runs in the packed cases
+        pool4.run(cases_hf.parity, family, layout)
 
 
 @pytest.mark.parametrize("kind", ["packed", "padded"])
