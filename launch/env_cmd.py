@@ -12,7 +12,7 @@ def _features():
 
     runs = Need(masked=True)
     return {
-        "dense causal / GQA / sinks": Need(),
+        "dense (causal, GQA, sinks)": Need(),
         "documents": runs, "padding": runs, "window": runs,
         "mask not runs": Need(masked=True, runs=False),
         "softcap": Need(softcap=True),

@@ -209,10 +209,10 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
             dk += dk_in
             dv += dv_in
         if not last:
-            travelling = sched.comm.post([dk, dv], t)
+            travelling = sched.comm.post([dk, dv], t, kind="dkv")
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1)).wait()
+        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="home").wait()
     sched.finish()
     dsinks = None
     if sinks is not None:
