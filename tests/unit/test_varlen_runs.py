@@ -49,16 +49,19 @@ def _masked_calls(layout, S, P, info, window, B=1):
             for pc in step if pc.masked]
 
 
-def test_documents_left_padding_and_windows_are_runs():
+def test_documents_padding_and_windows_are_runs():
     S, P = 64, 4
     pos = torch.tensor([list(range(10)) + list(range(30)) + list(range(24))])
     doc = torch.cumsum(torch.diff(pos, prepend=pos[:, :1] + 1) != 1, 1)
     left_pad = torch.ones(2, S, dtype=torch.bool)
     left_pad[0, :5], left_pad[1, :12] = False, False
+    right_pad = torch.ones(2, S, dtype=torch.bool)  # the same number of pads in every sample, as
+    right_pad[:, -13:] = False                      # the patched forward adds to fit the layout
     for layout in ("zigzag", "contiguous", "striped"):
         for info, window, B in [(TokenInfo(doc=doc), None, 1), (TokenInfo(doc=doc), 7, 1),
                                 (TokenInfo(valid=left_pad), None, 2), (TokenInfo(), 5, 1),
-                                (TokenInfo(doc=doc, valid=left_pad[:1]), 9, 1)]:
+                                (TokenInfo(doc=doc, valid=left_pad[:1]), 9, 1),
+                                (TokenInfo(valid=right_pad), None, 2)]:
             calls = _masked_calls(layout, S, P, info, window, B)
             assert calls, (layout, window)
             for pc, b in calls:

@@ -43,6 +43,7 @@ class Runs:
     """int32 [segments + 1]: cumulative key rows over the packed [B*m] rows (CPU)."""
     max_q: int
     max_k: int
+    """At least every segment's key count and each bound + 1 (the kernel's max_seqlen_k)."""
     left: int
     right: int
 
@@ -149,9 +150,9 @@ def runs(q, k, info, window: int | None, causal: bool, B: int) -> Runs | None:
     lv, rv = left.value(), right.value()
     if lv is None or rv is None or not seg_q:
         return None
-    max_q, max_k = max(seg_q), max(seg_k)
-    if rv != NO_BOUND and rv >= max_k or lv != NO_BOUND and lv >= max_k:
-        return None  # the kernel reads a bound >= max_k as no bound
+    # max_k only bounds the segments' key counts, and the kernel reads a window bound >= max_k as
+    # no bound: so max_k also exceeds both bounds (a right bound can cut more rows than keys exist)
+    max_q, max_k = max(seg_q), max(seg_k + [lv + 1, rv + 1])
     cu_q = torch.tensor([0] + seg_q, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     cu_k = torch.tensor([0] + seg_k, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return Runs(cu_q, cu_k, max_q, max_k, lv, rv)
