@@ -14,7 +14,7 @@ import torch
 
 from ringseq.errors import RingSeqError
 
-from .common import BlockSpec
+from .common import BlockSpec, acc_dtype
 from .runs import NO_BOUND, Runs, runs
 
 _forward = torch.ops.aten._flash_attention_forward
@@ -97,7 +97,7 @@ class CudaVarlen:
     def backward(dout, q, k, v, out, lse, aux, spec: BlockSpec):
         B, n, m = q.size(0), q.size(2), k.size(2)
         r, cu_q, cu_k = prepared(spec, B, n, m, q.device)
-        lse_packed = lse.float().transpose(0, 1).reshape(q.size(1), B * n).contiguous()
+        lse_packed = lse.to(acc_dtype(q)).transpose(0, 1).reshape(q.size(1), B * n).contiguous()
         rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused by the kernel
         dq, dk, dv = _backward(_pack(dout), _pack(q), _pack(k), _pack(v), _pack(out), lse_packed, cu_q, cu_k,
                                r.max_q, r.max_k, 0.0, r.left == NO_BOUND and r.right == 0, rng,

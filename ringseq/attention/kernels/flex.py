@@ -103,6 +103,11 @@ def prepared(spec: BlockSpec, B: int, n: int, m: int, device):
 _DENSE: dict = {}  # block masks of unmasked calls depend on shapes only
 
 
+def backward_runs_on(device: torch.device) -> bool:
+    """Whether torch has FlexAttention's backward for this device (CUDA only, in torch 2.13)."""
+    return device.type == "cuda"
+
+
 class Flex:
     name, takes_mask, takes_softcap = "flex", True, True
     prepared = staticmethod(prepared)
@@ -128,7 +133,7 @@ class Flex:
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, spec: BlockSpec):
-        if not q.is_cuda:
+        if not backward_runs_on(q.device):
             raise RingSeqError("kernel 'flex' has no backward on the CPU (FlexAttention's backward needs CUDA); "
                                "train on the CPU with kernel='cpu_flash' or 'torch', or leave kernel unset")
         with torch.enable_grad():
