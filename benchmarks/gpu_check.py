@@ -226,9 +226,9 @@ def _record(rows, **row):
     rows.append(row)
 
 
-def _compare(c, got, dtype, device, backward):
-    ref = reference(c, torch.float64, device)
-    plain = reference(c, dtype, device)
+def _compare(c, got, dtype, device, backward, refs=None):
+    """Max errors of ``got`` (out, dq, dk, dv) by the 2x rule; ``refs``: (float64, plain) if made already."""
+    ref, plain = refs or (reference(c, torch.float64, device), reference(c, dtype, device))
     n = 4 if backward else 1
     errors = {}
     for name, g, p, r in list(zip(("out", "dq", "dk", "dv"), got, plain, ref))[:n]:
@@ -245,7 +245,9 @@ def check_kernels(args, rows):
     dtype = torch.bfloat16
     for feature, kw in FEATURES.items():
         c = make_case(B, H, kw.get("K", H), S, D, seed=len(rows), **{k: x for k, x in kw.items() if k != "K"})
+        refs = reference(c, torch.float64, args.device), reference(c, dtype, args.device)
         for kernel in backends:
+            start = time.perf_counter()
             backward = cuda or kernel != "flex"
             row = dict(check="kernels", feature=feature, kernel=kernel or "auto", device=args.device, backward=backward)
             try:
@@ -255,8 +257,9 @@ def check_kernels(args, rows):
                     raise
                 _record(rows, **row, ok=True, refused=str(exc)[:160])
                 continue
+            row["seconds"] = round(time.perf_counter() - start, 2)  # compiles included: the budget's main risk
             try:
-                row["max_error"] = _compare(c, got, dtype, args.device, backward)
+                row["max_error"] = _compare(c, got, dtype, args.device, backward, refs)
                 _record(rows, **row, ok=True)
             except AssertionError as exc:
                 _record(rows, **row, ok=False, error=str(exc)[:300])

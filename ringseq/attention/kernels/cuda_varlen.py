@@ -34,21 +34,37 @@ def _dense_runs(spec: BlockSpec, B: int, n: int, m: int) -> Runs:
     return Runs(cu_q, cu_k, n, m, NO_BOUND, 0 if spec.causal else NO_BOUND)
 
 
-def prepared(spec: BlockSpec, B: int, n: int, m: int, device):
-    """(runs, cu_q, cu_k on the device) for a call, cached on its TokenInfo; None when the call's
-    visibility is not varlen runs."""
+def _cached(spec: BlockSpec, B: int, n: int, m: int):
+    """(key, cache) of a call's runs: unmasked calls by shape, masked ones on their TokenInfo."""
     mask = spec.mask
     if mask is None:
-        key, cache = ("varlen dense", B, n, m, spec.causal, str(device)), _DENSE
-    else:
-        key, cache = ("varlen", mask.q, mask.k, mask.window, mask.causal, B, str(device)), mask.info._cache
+        return ("runs dense", B, n, m, spec.causal), _DENSE
+    return ("runs", mask.q, mask.k, mask.window, mask.causal, B), mask.info._cache
+
+
+def call_runs(spec: BlockSpec, B: int, n: int, m: int) -> Runs | None:
+    """The call's runs (None: its visibility is not runs), made once per batch and call."""
+    key, cache = _cached(spec, B, n, m)
     if key not in cache:
-        r = _dense_runs(spec, B, n, m) if mask is None else runs(mask.q, mask.k, mask.info, mask.window, mask.causal, B)
-        cache[key] = None if r is None else (r, _to_device(r.cu_q, device), _to_device(r.cu_k, device))
+        mask = spec.mask
+        cache[key] = _dense_runs(spec, B, n, m) if mask is None else runs(mask.q, mask.k, mask.info, mask.window,
+                                                                          mask.causal, B)
     return cache[key]
 
 
-_DENSE: dict = {}  # the runs of unmasked calls depend on shapes only
+def prepared(spec: BlockSpec, B: int, n: int, m: int, device):
+    """(runs, cu_q, cu_k on the device) for a call, cached like its runs; None when it is not runs."""
+    r = call_runs(spec, B, n, m)
+    if r is None:
+        return None
+    key, cache = _cached(spec, B, n, m)
+    key = (*key, str(device))
+    if key not in cache:
+        cache[key] = (r, _to_device(r.cu_q, device), _to_device(r.cu_k, device))
+    return cache[key]
+
+
+_DENSE: dict = {}  # the runs of unmasked calls depend on shapes only (and the device)
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:
@@ -73,9 +89,7 @@ class CudaVarlen:
     @staticmethod
     def expresses(spec: BlockSpec, B: int, n: int, m: int) -> bool:
         """Whether this call's visibility is varlen runs (always, without a mask)."""
-        if spec.mask is None:
-            return True
-        return runs(spec.mask.q, spec.mask.k, spec.mask.info, spec.mask.window, spec.mask.causal, B) is not None
+        return call_runs(spec, B, n, m) is not None
 
     @staticmethod
     def forward(q, k, v, spec: BlockSpec):
