@@ -7,6 +7,19 @@ import platform
 PACKAGES = ("ringseq", "torch", "deepspeed", "transformers", "accelerate")
 
 
+def _features():
+    from ringseq.attention.kernels import Need
+
+    runs = Need(masked=True)
+    return {
+        "dense (causal, GQA, sinks)": Need(),
+        "documents": runs, "padding": runs, "window": runs,
+        "mask not runs": Need(masked=True, runs=False),
+        "softcap": Need(softcap=True),
+        "softcap + mask": Need(masked=True, softcap=True),
+    }
+
+
 def add_parser(sub) -> None:
     p = sub.add_parser("env", help="print versions, backends and kernel choices")
     p.set_defaults(run=run)
@@ -17,6 +30,8 @@ def report() -> dict:
     import torch.distributed as dist
 
     from ringseq.attention.kernels import select
+
+    FEATURES = _features()
 
     info = {"python": platform.python_version()}
     for name in PACKAGES:
@@ -31,12 +46,14 @@ def report() -> dict:
     devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
     for device in devices:
         for dtype in (torch.float32, torch.bfloat16):
-            q = torch.empty(1, 1, 1, 64, device=device, dtype=dtype)
-            info[f"kernel {device} {str(dtype).removeprefix('torch.')}"] = select(q).name
+            info[f"kernel {device} {str(dtype).removeprefix('torch.')}"] = select(device, dtype, 64).name
+    # what each feature gets on a GPU (the choice needs no GPU: it is shown on every machine)
+    for feature, call in FEATURES.items():
+        info[f"cuda bf16 {feature}"] = select("cuda", torch.bfloat16, 128, call=call).name
     return info
 
 
 def run(args) -> int:
     for key, value in report().items():
-        print(f"{key:>22}: {value}")
+        print(f"{key:>30}: {value}")
     return 0

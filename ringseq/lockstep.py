@@ -60,7 +60,7 @@ def _from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
-KERNELS = ("cpu_flash", "cuda_flash", "torch")
+KERNELS = ("cpu_flash", "cuda_flash", "torch", "cuda_varlen", "flex")
 """Block backends by record code (``ringseq.attention.kernels.BACKENDS``; -1: chosen per call)."""
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.bool,
           torch.int8, torch.uint8, torch.int16)

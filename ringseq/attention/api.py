@@ -63,9 +63,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                   never contribute.
     token_info    documents and padding prebuilt by ``ringseq.token_info`` (instead of the two
                   above; saves their all-gather when many layers share them).
-    kernel        force a block backend (``cpu_flash``, ``cuda_flash``, ``torch``); by default
-                  the fastest one that applies, chosen per call. A forced kernel is refused only
-                  for a call it cannot compute (a mask or softcap it does not take).
+    kernel        force a block backend (``cpu_flash``, ``cuda_flash``, ``cuda_varlen``, ``flex``,
+                  ``torch``; ``ringseq.attention.kernels.select``); by default the fastest one
+                  that applies, chosen per call. A forced kernel is refused only for a call it
+                  cannot compute (a mask or softcap it does not take).
     slab_rows     query rows per kernel slab (bounds masks and scores to slab_rows x keys);
                   None: each backend's default.
 

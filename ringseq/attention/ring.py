@@ -32,7 +32,7 @@ from ringseq.errors import RingSeqError
 from ringseq.stats import Clock, ledger
 
 from .comm import RingComm
-from .kernels import BlockSpec, select
+from .kernels import BlockSpec, for_call
 from .kernels.common import LSE, acc_dtype
 from .masks import RowMask, TokenInfo
 from .schedule import rank_schedule
@@ -74,16 +74,27 @@ class _Schedule:
         self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
         plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
         self.steps, self.plan = plan.steps, plan.calls
-        capped = opts.softcap is not None
-        # one backend per kind of call, chosen (or a forced one checked) only for calls that occur
-        kinds = {pc.masked for step in self.plan for pc in step}
-        self.kernels = {m: select(q, opts.kernel, masked=m, softcap=capped) for m in kinds}
         self.comm = None
         self.clock = Clock(ledger(opts.sp))
         if self.steps > 1:
             self.comm = RingComm(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock.book, q.device)
         self.error: BaseException | None = None
         """The exception this rank's block compute raised; the ring's transfers go on without compute."""
+        self.work: list[list] = [[] for _ in self.plan]
+        """(call, kernel, spec) per step: a backend per call and its device metadata, all before the loop."""
+        try:
+            self.work = [[self._prepare(q, pc) for pc in step] for step in self.plan]
+        except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
+            self.error = exc
+            if self.comm is not None:
+                self.comm.fail()
+
+    def _prepare(self, q, pc):
+        o = self.opts
+        mask = RowMask(pc.q, pc.k, o.info, o.window, o.causal, self.B, self.device) if pc.masked else None
+        spec = BlockSpec(causal=pc.call.causal, scale=o.scale, softcap=o.softcap, mask=mask, rows=o.slab_rows)
+        n, m = (r.stop - r.start for r in (pc.call.q_rows, pc.call.k_rows))
+        return pc.call, for_call(q, o.kernel, spec, n, m), spec
 
     def compute(self, t: int, work) -> None:
         """Run ``work(call, kernel, spec)`` for every call of step t, unless this rank failed
@@ -92,7 +103,7 @@ class _Schedule:
             return
         start = time.perf_counter()
         try:
-            for call, kernel, spec in self.calls(t):
+            for call, kernel, spec in self.work[t]:
                 work(call, kernel, spec)
         except Exception as exc:  # noqa: BLE001 - re-raised by finish(), after the peers were told
             self.error = exc
@@ -110,16 +121,6 @@ class _Schedule:
             lockstep.mark_failed(self.opts.sp, True)
             raise RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
                                f"see that rank's error): this rank stops too instead of using its blocks")
-
-    def calls(self, t: int):
-        """(call, kernel, spec) for ring step t."""
-        o = self.opts
-        for pc in self.plan[t]:
-            mask = None
-            if pc.masked:
-                mask = RowMask(pc.q, pc.k, o.info, o.window, o.causal, self.B, self.device)
-            spec = BlockSpec(causal=pc.call.causal, scale=o.scale, softcap=o.softcap, mask=mask, rows=o.slab_rows)
-            yield pc.call, self.kernels[pc.masked], spec
 
 
 def _merge(out_acc, lse_acc, rows: slice, o, l):
@@ -210,10 +211,10 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
             dk += dk_in
             dv += dv_in
         if not last:
-            travelling = sched.comm.post([dk, dv], t)
+            travelling = sched.comm.post([dk, dv], t, kind="dkv")
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1)).wait()
+        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="home").wait()
     sched.finish()
     dsinks = None
     if sinks is not None:

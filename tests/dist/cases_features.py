@@ -102,10 +102,11 @@ def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, p
 
 
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
-                   sinks=False, slab_rows=None, autocast=False, **features):
+                   sinks=False, slab_rows=None, autocast=False, kernel=None, backward=True, **features):
     """ringseq against ``reference`` in float64 and plainly in ``dtype``. ``autocast``: q and k
     in fp32 (as a rotary embedding leaves them), v and dout in ``dtype``, both ringseq and the
-    plain SDPA run under ``torch.autocast(dtype=dtype)``."""
+    plain SDPA run under ``torch.autocast(dtype=dtype)``. ``backward=False``: the output only,
+    computed without autograd (a kernel whose backward needs CUDA)."""
     S = S_per_rank * sp.size
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     g = torch.Generator().manual_seed(seed + 7)
@@ -122,14 +123,19 @@ def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, pac
                           attention_mask=pad, sdpa=True, **kw)
     local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in inputs[:3]]
     sink_in = None if sink is None else sink.to(dtype).requires_grad_(True)
-    with mixed:
+    with mixed, torch.set_grad_enabled(backward):
         out = ringseq.ring_attention(
             *local, sp=sp, sinks=sink_in,
             position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
-            attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows, **kw)
-    out.backward(ringseq.shard(inputs[3], 2, sp=sp))
+            attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows,
+            kernel=kernel, **kw)
     case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} autocast={autocast} H{H} K{K} "
-            f"packed={packed} padded={padded} sinks={sinks} slab {slab_rows} {features}")
+            f"packed={packed} padded={padded} sinks={sinks} slab {slab_rows} {kernel} {features}")
+    if not backward:
+        assert not out.requires_grad
+        assert_shards_close(out, plain[0], ref[0], f"out [{case}]", sp=sp)
+        return
+    out.backward(ringseq.shard(inputs[3], 2, sp=sp))
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
         assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
     if sinks:
@@ -164,6 +170,20 @@ def feature_matrix(layout, dtype_name, ulysses_size=1):
     sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
     for n, features in enumerate(FEATURES):  # odd cases: slabs of 5 rows, so the kernels' slab loops run
         check_features(sp, dtype=DTYPES[dtype_name], seed=n, slab_rows=5 if n % 2 else None, **features)
+
+
+FLEX_FEATURES = [dict(packed=True), dict(window=5, softcap=2.0), dict(sinks=True, K=1, padded=True),
+                 dict(packed=True, padded=True, window=7, softcap=3.0)]
+
+
+def flex_forward_matrix(layouts):
+    """FlexAttention's block masks and score mods (forced for every call), forward only: its
+    backward needs CUDA (``benchmarks/gpu_check.py`` checks that). fp32 and bf16 alternate."""
+    for layout in layouts:
+        sp = shared_init(sp_size=dist.get_world_size(), layout=layout)
+        for n, features in enumerate(FLEX_FEATURES):
+            dtype = list(DTYPES.values())[n % 2]
+            check_features(sp, dtype=dtype, seed=n, kernel="flex", backward=False, **features)
 
 
 AUTOCAST_FEATURES = [dict(), dict(packed=True), dict(padded=True, sinks=True), dict(window=7)]

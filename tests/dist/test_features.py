@@ -35,3 +35,7 @@ def test_unsupported_features_are_refused(pool):
 
 def test_window_and_local_documents_skip_ring_steps(pool):
     pool.run(cases.window_skips_ring_steps)
+
+
+def test_flex_block_masks_forward_match_reference(pool2):
+    pool2.run(cases.flex_forward_matrix, ["zigzag", "striped"])

@@ -1,5 +1,6 @@
 """The benchmarks still run, at toy sizes: JSON lines, a plot, and accurate results."""
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,3 +69,24 @@ def test_longest_benchmark(tmp_path):
     probes = [r for r in records if r["kind"] == "probe"]
     assert [r["N"] for r in probes] == [512, 1024, 512, 1024] and all(r["fits"] and r["step_mb"] > 0 for r in probes)
     assert (tmp_path / "longest.png").exists()
+
+
+def test_gpu_check_runs_its_cpu_part():
+    """benchmarks/gpu_check.py --device cpu (through its shell wrapper): every check that applies
+    off CUDA runs, is exact, and the script exits 0; the CUDA-only backends are not in it."""
+    run = subprocess.run(["sh", "benchmarks/gpu_check.sh", "--device", "cpu"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300,
+                         env={**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ.get('PATH', '')}"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    summary = rows.pop()
+    assert summary["summary"] and summary["exactness_failures"] == 0 and summary["checks"] == len(rows)
+    assert all(r["ok"] for r in rows)
+    assert {r["check"] for r in rows} == {"kernels", "speed", "ring", "model"}
+    kernels = [r for r in rows if r["check"] == "kernels"]
+    assert {r["kernel"] for r in kernels} == {"cpu_flash", "flex", "torch", "auto"}
+    assert {r["feature"] for r in kernels} == {"dense causal", "documents", "padding", "window", "softcap", "sinks", "GQA"}
+    assert [r for r in kernels if "refused" in r] == [r for r in kernels if r["kernel"] == "cpu_flash"
+                                                      and r["feature"] == "softcap"]
+    assert all("max_error" in r for r in kernels if "refused" not in r)
+    assert {r["layout"] for r in rows if r["check"] == "ring"} == {"zigzag", "contiguous", "striped"}

@@ -61,6 +61,8 @@ def test_launch_refuses_sp_not_dividing_the_processes():
 def test_env_reports_kernels():
     run = ringseq_cmd("env")
     assert run.returncode == 0 and "kernel cpu float32: cpu_flash" in run.stdout
+    for feature, kernel in [("documents", "cuda_varlen"), ("softcap", "flex"), ("dense", "cuda_flash")]:
+        assert f"cuda bf16 {feature}" in run.stdout and kernel in run.stdout.split(f"cuda bf16 {feature}")[1].split("\n")[0]
 
 
 def deepspeed_cases(nproc, *cases):

@@ -19,9 +19,15 @@ Backends (``select`` picks per call unless one is forced):
 ``cpu_flash``   ``aten._scaled_dot_product_flash_attention_for_cpu`` (fused, GQA-native, masks
                 as an additive mask a slab of rows at a time).
 ``cuda_flash``  ``aten._scaled_dot_product_flash_attention`` (fp16/bf16, D <= 256, unmasked).
+``cuda_varlen`` ``aten._flash_attention_forward`` over variable-length runs (fp16/bf16, D <= 256):
+                documents, padding and windows whose visibility is runs (``runs``).
+``flex``        FlexAttention, compiled on CUDA: softcap and any mask (a block mask built once
+                per batch and call); off CUDA eager and forward only.
 ``torch``       plain PyTorch in fp32, blockwise over query rows: softcap, and the fallback.
+
+The table of which backend each call gets is in ``select``.
 """
 from .common import BlockSpec
-from .select import BACKENDS, select
+from .select import BACKENDS, Need, for_call, select
 
-__all__ = ["BACKENDS", "BlockSpec", "select"]
+__all__ = ["BACKENDS", "BlockSpec", "Need", "for_call", "select"]

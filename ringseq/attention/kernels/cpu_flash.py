@@ -25,8 +25,8 @@ class CpuFlash:
     name, takes_mask, takes_softcap = "cpu_flash", True, False
 
     @staticmethod
-    def applies(q: torch.Tensor) -> bool:
-        return q.device.type == "cpu"
+    def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+        return device_type == "cpu"
 
     @staticmethod
     def forward(q, k, v, spec: BlockSpec):

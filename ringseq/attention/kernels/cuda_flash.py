@@ -18,8 +18,8 @@ class CudaFlash:
     name, takes_mask, takes_softcap = "cuda_flash", False, False
 
     @staticmethod
-    def applies(q: torch.Tensor) -> bool:
-        return q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.size(-1) <= 256
+    def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
+        return device_type == "cuda" and dtype in (torch.float16, torch.bfloat16) and head_dim <= 256
 
     @staticmethod
     def forward(q, k, v, spec: BlockSpec):

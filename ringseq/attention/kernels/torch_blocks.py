@@ -45,7 +45,7 @@ class TorchBlocks:
     name, takes_mask, takes_softcap = "torch", True, True
 
     @staticmethod
-    def applies(q: torch.Tensor) -> bool:
+    def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
         return True
 
     @staticmethod
