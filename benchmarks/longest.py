@@ -1,0 +1,477 @@
+"""The longest sequence one full training step fits in a per-rank memory budget, side by side.
+
+Systems (one fresh process tree each, gloo, one SGD step = forward + backward + optimizer, fp32):
+
+- ``unpatched``  the transformers model in one process, as a user would train it without sequence
+  parallelism (full logits, transformers' loss, no checkpointing).
+- ``alst``  DeepSpeed ALST at sp P, with the settings its docs recommend: Ulysses attention through
+  ``UlyssesSPAttentionHF.register_with_transformers`` (core sdpa), its data loader adapter
+  (``UlyssesSPDataLoaderAdapter``: shards and shifts the labels), ``TiledMLP`` on every MLP, the
+  loss through ``TiledFusedLogitsLoss``, activation checkpointing, through ``deepspeed.initialize``
+  with its mpu (ZeRO-1).
+- ``ringseq``  ``ringseq.patch`` at sp P through ``ringseq.initialize`` (the same ZeRO-1 config), with
+  memory features named in the config: ``loss`` (the chunked loss; without it full logits),
+  ``ckpt`` (checkpointing that keeps ring outputs), ``replay`` (checkpointing whose recompute
+  replays the ring: ``keep_ring_outputs=False``), ``tiled`` (tiled MLP), ``offload`` (checkpointed
+  activations in host memory: on CPU a copy that saves nothing).
+
+The model is a Llama of 4 layers, d=512, MLP 2048, 8 q / 4 kv heads, vocab 32000 (47M parameters:
+MLP, logits and attention all matter); ``--model tiny`` is a toy size for the test suite.
+
+Memory: the budget bounds each rank's *step memory*, the peak resident set of a forward + backward
+above the resident set just before it (activations, gradients, communication and kernel buffers;
+the model, optimizer and DeepSpeed state held between steps are not counted, and ``peak_mb``
+reports the whole process's peak beside it), the largest over ranks. It is read from ``VmHWM``,
+reset before each probe through ``/proc/self/clear_refs``, with ``MALLOC_MMAP_THRESHOLD_`` fixed so
+freed tensors leave the resident set. A warm-up step at the smallest N comes first (DeepSpeed
+allocates buffers on its first step). A watchdog ends a probe whose step passes twice the budget
+(it counts as not fitting). The search doubles N from ``--start`` until a probe does not fit, then
+bisects on a ``--grain`` grid (each guess where the line through the last two probes meets the
+budget, kept strictly inside the bracket), so the reported N fits and N + grain does not; at most
+``--max-n`` is probed (a step there takes minutes on this machine), and a system that fits it is
+reported as capped. ``--common N`` times one step at N for each P=2 system (tokens/s, after a
+warm-up step). Prints JSON lines, writes ``longest.jsonl`` and ``longest.png`` to ``--out``.
+Usage::
+
+    python benchmarks/longest.py                       # the whole comparison (about 40 min here)
+    python benchmarks/longest.py --systems ringseq:2:loss,ckpt,tiled alst:2 --budget-mb 448
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import gc
+import glob
+import math
+import os
+import sys
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import common  # noqa: E402
+from ringseq.loss import slab_tokens  # noqa: E402
+
+MODELS = {"bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4),
+          "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=4)}  # for the suite: the machinery, not figures
+MODEL = dict(MODELS[os.environ.get("RINGSEQ_LONGEST_MODEL", "bench")], max_position_embeddings=1 << 20,
+             use_cache=False)
+DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+             "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+SYSTEMS = ["unpatched:1", "alst:2", "alst:4", "ringseq:2:", "ringseq:2:loss", "ringseq:2:loss,ckpt",
+           "ringseq:2:loss,ckpt,tiled", "ringseq:4:", "ringseq:4:loss,ckpt,tiled", "ringseq:2:loss,replay,tiled"]
+OVERSHOOT = 2.0  # the watchdog ends a probe whose step passes this many budgets (protects the machine)
+
+
+def llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**MODEL)
+    config._attn_implementation = "sdpa"
+    return LlamaForCausalLM(config)
+
+
+def batch(N: int) -> dict:
+    ids = torch.randint(0, MODEL["vocab_size"], (1, N), generator=torch.Generator().manual_seed(N))
+    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(N)[None]}
+
+
+# ---- memory -------------------------------------------------------------------------------------
+
+def _hwm_mb() -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current resident set
+
+
+class Watchdog(threading.Thread):
+    """Ends the process (exit code 3) when its resident set passes ``limit_mb``, telling the
+    driver at which N (through ``Watchdog.results``, the tree's queue)."""
+
+    results = None
+
+    def __init__(self, budget_mb: float):
+        super().__init__(daemon=True)
+        self.budget_mb, self.limit_mb, self.N = budget_mb, None, None
+
+    def watch(self, N: int | None, before_mb: float = 0.0) -> None:
+        """Watch a step at N that starts at ``before_mb`` resident (None: stop watching)."""
+        self.limit_mb, self.N = before_mb + OVERSHOOT * self.budget_mb, N
+
+    def run(self):
+        while True:
+            N, limit = self.N, self.limit_mb
+            if N is not None and common.rss_mb() > limit:
+                self.results.put((dist.get_rank(), "killed", N))
+                self.results.close()
+                self.results.join_thread()
+                os._exit(3)
+            time.sleep(0.01)
+
+
+# ---- the systems ---------------------------------------------------------------------------------
+
+class Unpatched:
+    def __init__(self, P, features):
+        self.model = llama()
+        self.model.train()
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
+
+    def forward_backward(self, N):
+        b = batch(N)
+        loss = self.model(input_ids=b["input_ids"], labels=b["labels"]).loss
+        loss.backward()
+        return loss.item()
+
+    def optimizer_step(self):
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+
+class Ringseq:
+    def __init__(self, P, features):
+        import ringseq
+
+        sp = ringseq.init(sp_size=P)
+        model = llama()
+        if "ckpt" in features or "replay" in features:
+            kwargs = {"offload": True} if "offload" in features else {}
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
+        model.train()
+        ringseq.patch(model, sp=sp, chunked_loss="loss" in features, tiled_mlp=True if "tiled" in features else None,
+                      keep_ring_outputs="replay" not in features)
+        self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=DS_CONFIG,
+                                             optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
+
+    def forward_backward(self, N):
+        b = batch(N)
+        loss = self.engine(input_ids=b["input_ids"], labels=b["labels"]).loss
+        self.engine.backward(loss)
+        return loss.item()
+
+    def optimizer_step(self):
+        self.engine.step()
+
+
+class Alst:
+    """DeepSpeed ALST as its HF integration and ArcticTraining use it."""
+
+    def __init__(self, P, features):
+        import deepspeed
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = llama()
+        self.mpu = UlyssesSPAttentionHF.register_with_transformers(
+            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=P, micro_batch_size=1,
+            seq_length_is_variable=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        for layer in model.model.layers:
+            layer.mlp.forward = _alst_tiled_mlp(layer.mlp)
+        self.engine, *_ = deepspeed.initialize(model=model, config=DS_CONFIG, mpu=self.mpu,
+                                               optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
+        self.P = P
+
+    def _shard(self, N):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
+
+        loader = torch.utils.data.DataLoader([{k: v[0] for k, v in batch(N).items()}], batch_size=1)
+        group = self.mpu.get_sequence_parallel_group()
+        adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=dist.get_rank(group), sp_group=group,
+                                             sp_world_size=self.P, device=torch.device("cpu"))
+        return next(iter(adapter))  # every rank holds the same sample: the first micro-batch is it
+
+    def optimizer_step(self):
+        self.engine.step()
+
+    def forward_backward(self, N):
+        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
+
+        b = self._shard(N)
+        model = self.engine.module
+        hidden = model.model(input_ids=b["input_ids"], position_ids=b["position_ids"]).last_hidden_state
+        labels = b["shift_labels"]
+        vocab = MODEL["vocab_size"]
+
+        def loss_sum(m, h, y):
+            return torch.nn.functional.cross_entropy(m.lm_head(h).view(-1, vocab).float(), y.view(-1),
+                                                     ignore_index=-100, reduction="sum")
+
+        # ArcticTraining sizes tiles at about 1 GiB of logits, which on this budget would be most of it: here
+        # its tiles hold as many tokens as ringseq's loss slabs (its best setting at this size, and like with like)
+        shards = max(1, math.ceil(labels.numel() / slab_tokens(vocab)))
+        local = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, labels, None, shards, [model.lm_head.weight],
+                                           "sum")
+        group = self.mpu.get_sequence_parallel_group()
+        count = (labels != -100).sum().float()
+        total = count.clone()
+        dist.all_reduce(total, group=group)
+        sums = torch.distributed.nn.functional.all_gather(local, group=group)  # differentiable, as ArcticTraining
+        loss = torch.stack(sums).sum() / total
+        self.engine.backward(loss)
+        return loss.item()
+
+
+def _alst_tiled_mlp(mlp):
+    """ALST's tiled MLP forward (its docstring's example): one tile per hidden_size tokens."""
+    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
+
+    cls_forward = type(mlp).forward
+
+    def forward(x):
+        shards = max(1, math.ceil(x.size(-2) / x.size(-1)))
+        return TiledMLP.apply(lambda m, t: cls_forward(m, t), mlp, x, shards, list(mlp.parameters()))
+
+    return forward
+
+
+KINDS = {"unpatched": Unpatched, "ringseq": Ringseq, "alst": Alst}
+
+
+# ---- one process tree: the search, or a timing ---------------------------------------------------
+
+def probe(system, N: int, dog: Watchdog) -> dict:
+    """One training step at N, the largest value over ranks of: ``step_mb``, the peak resident set of
+    its forward + backward above the resident set before it (what the budget bounds: activations,
+    gradients, communication and kernel buffers); ``peak_mb``, the peak resident set of the whole
+    step (forward, backward and optimizer; model, optimizer and DeepSpeed state included); and the
+    step's seconds."""
+    _reset_peak()
+    before = common.rss_mb()
+    dist.barrier()
+    dog.watch(N, before)
+    start = time.perf_counter()
+    loss = system.forward_backward(N)
+    step_mb = _hwm_mb() - before
+    system.optimizer_step()
+    seconds = time.perf_counter() - start
+    dog.watch(None)
+    return dict(step_mb=round(common.slowest(step_mb), 1), peak_mb=round(common.slowest(_hwm_mb()), 1),
+                seconds=round(common.slowest(seconds), 2), loss=round(loss, 4))
+
+
+def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, grain: int, cap: int, lo: int,
+           hi: int | None, path: str | None):
+    """Longest N (a multiple of ``grain``, at most ``cap``) whose step fits ``budget_mb``; probes
+    printed as they go. ``lo``/``hi``: a bracket known from an earlier tree (fits / does not fit)."""
+    dog = Watchdog(budget_mb)
+    dog.start()
+    system = KINDS[kind](P, features)
+    system.forward_backward(grain)  # warm-up: buffers DeepSpeed allocates on its first step stay resident
+    system.optimizer_step()
+    name = f"{kind}:{P}:{','.join(features)}"
+    seen = []  # (N, peak) of every probe, for the line through the last two
+
+    def fits(N):
+        got = probe(system, N, dog)
+        seen.append((N, got["step_mb"]))
+        if dist.get_rank() == 0:
+            common.emit(dict(kind="probe", system=name, P=P, N=N, **got, fits=got["step_mb"] <= budget_mb), path)
+        return got["step_mb"] <= budget_mb
+
+    def guess(a, b):
+        """Where the line through the last two probes meets the budget, on the grid, inside (a, b)."""
+        mid = (a + b) // 2 // grain * grain
+        if len(seen) >= 2 and seen[-1][0] != seen[-2][0]:
+            (n1, p1), (n2, p2) = seen[-2:]
+            slope = (p2 - p1) / (n2 - n1)
+            if slope > 0:
+                mid = int((n1 + (budget_mb - p1) / slope) // grain * grain)
+        return min(max(mid, a + grain), b - grain)
+
+    N = min(max(lo + grain, start) if lo else start, cap)
+    while hi is None:
+        if fits(N):
+            if N >= cap:
+                return dict(kind="longest", system=name, P=P, longest_N=N, first_over=None, budget_mb=budget_mb,
+                            capped=True)
+            lo, N = N, min(2 * N, cap)
+            if len(seen) >= 2:  # never jump past where the line says the budget ends (the machine has limits)
+                (n1, p1), (n2, p2) = seen[-2:]
+                slope = (p2 - p1) / (n2 - n1) if n2 != n1 else 0
+                if slope > 0:
+                    N = max(lo + grain, min(N, int((n2 + 1.1 * (budget_mb - p2) / slope) // grain * grain)))
+                N = min(N, cap)
+        else:
+            hi = N
+    while hi - lo > grain:
+        N = guess(lo, hi)
+        if fits(N):
+            lo = N
+        else:
+            hi = N
+    return dict(kind="longest", system=name, P=P, longest_N=lo, first_over=hi, budget_mb=budget_mb, capped=False)
+
+
+def timing(kind: str, P: int, features: tuple, N: int) -> dict:
+    system = KINDS[kind](P, features)
+    times = []
+    for _ in range(2):  # the first is a warm-up
+        dist.barrier()
+        start = time.perf_counter()
+        system.forward_backward(N)
+        system.optimizer_step()
+        times.append(common.slowest(time.perf_counter() - start))
+    seconds = times[-1]
+    return dict(kind="tokens_per_s", system=f"{kind}:{P}:{','.join(features)}", P=P, N=N, seconds=round(seconds, 2),
+                tokens_per_s=round(N / seconds, 1))
+
+
+# ---- the driver ----------------------------------------------------------------------------------
+
+def _entry(rank, world, port, threads, fn, args, results):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    Watchdog.results = results
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, None, fn(*args)))
+        dist.destroy_process_group()
+    except BaseException as exc:  # noqa: BLE001 - reported by the parent
+        results.put((rank, f"{type(exc).__name__}: {exc}", None))
+
+
+def tree(fn, P: int, *args):
+    """Run ``fn(*args)`` on P fresh ranks; rank 0's result, or ("killed", N) when the watchdog
+    ended a probe at N (the other ranks are then stopped)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results, port = ctx.Queue(), common.free_port()
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited: freed tensors leave the resident set
+    threads = max(1, (os.cpu_count() or 1) // P)
+    procs = [ctx.Process(target=_entry, args=(r, P, port, threads, fn, args, results)) for r in range(P)]
+    for p in procs:
+        p.start()
+    got = {}
+    try:
+        while len(got) < P:
+            try:
+                rank, err, value = results.get(timeout=5)
+            except Exception:  # noqa: BLE001 - queue.Empty: check that every rank is still alive
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead:
+                    raise RuntimeError(f"a rank exited with code {dead[0]} without a result") from None
+                continue
+            if err == "killed":
+                return ("killed", value)
+            if err:
+                raise RuntimeError(f"rank {rank} failed: {err}")
+            got[rank] = value
+    finally:
+        for p in procs:
+            p.join(timeout=5 if got else 0.1)
+            if p.is_alive():
+                p.kill()
+        for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU comm buffers
+            os.remove(name)
+    return got[0]
+
+
+def parse_system(text: str) -> tuple[str, int, tuple]:
+    kind, P, *rest = text.split(":")
+    if kind not in KINDS:
+        raise SystemExit(f"unknown system {kind!r} in {text!r}: one of {', '.join(KINDS)}")
+    return kind, int(P), tuple(f for f in (rest[0].split(",") if rest else []) if f)
+
+
+def longest(text: str, budget_mb: float, start: int, grain: int, cap: int, path: str) -> dict:
+    """The search for one system, restarted with a narrower bracket whenever the watchdog ends a tree."""
+    kind, P, features = parse_system(text)
+    lo, hi = 0, None
+    while True:
+        got = tree(search, P, kind, P, features, budget_mb, start, grain, cap, lo, hi, path)
+        if not isinstance(got, tuple):  # ("killed", N) when the watchdog ended the tree
+            return got
+        hi = got[1]
+        name = f"{kind}:{P}:{','.join(features)}"
+        with open(path) as f:
+            probes = [json.loads(line) for line in f if '"probe"' in line]
+        lo = max([r["N"] for r in probes if r["system"] == name and r["fits"]] + [lo])
+        common.emit(dict(kind="probe", system=name, P=P, N=hi, step_mb=None, fits=False,
+                         note=f"ended by the watchdog past {OVERSHOOT} x the budget"), path)
+        if hi - lo <= grain:
+            return dict(kind="longest", system=name, P=P, longest_N=lo, first_over=hi, budget_mb=budget_mb,
+                        capped=False)
+
+
+def plot(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    best = [r for r in records if r["kind"] == "longest"]
+    probes = [r for r in records if r["kind"] == "probe" and r.get("step_mb")]
+    sizes = sorted({r["P"] for r in probes})
+    fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(5 + 4.5 * len(sizes), 4.5))
+    ax = axes[0]
+    ax.barh([r["system"] for r in best], [r["longest_N"] for r in best], color="tab:blue")
+    for i, r in enumerate(best):
+        ax.text(r["longest_N"], i, f" {r['longest_N']}" + (" (cap)" if r.get("capped") else ""), va="center",
+                fontsize=8)
+    ax.set(xlabel="longest N that trains in the budget", title=f"budget {best[0]['budget_mb']:.0f} MB per rank"
+           if best else "")
+    for ax, P in zip(axes[1:], sizes):
+        for name in sorted({r["system"] for r in probes if r["P"] == P}):
+            rs = sorted((r for r in probes if r["system"] == name), key=lambda r: r["N"])
+            ax.plot([r["N"] for r in rs], [r["step_mb"] for r in rs], marker="o", ms=3, label=name)
+        if best:
+            ax.axhline(best[0]["budget_mb"], color="k", lw=0.8, ls="--")
+        ax.set(xscale="log", xlabel="sequence length N", ylabel="step MB per rank (forward + backward)",
+               title=f"P = {P}")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--systems", nargs="+", default=SYSTEMS, help="kind:P[:features], e.g. ringseq:2:loss,ckpt")
+    parser.add_argument("--budget-mb", type=float, default=448.0, help="per-rank step memory (forward + backward)")
+    parser.add_argument("--start", type=int, default=512)
+    parser.add_argument("--grain", type=int, default=512)
+    parser.add_argument("--max-n", type=int, default=24576, help="the longest N probed (a step there takes minutes)")
+    parser.add_argument("--common", type=int, default=4096, help="N of the tokens/s comparison (0: none)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="bench")
+    parser.add_argument("--only-timing", action="store_true", help="skip the searches: tokens/s at --common only")
+    parser.add_argument("--out", default=common.RESULTS)
+    args = parser.parse_args(argv)
+    os.environ["RINGSEQ_LONGEST_MODEL"] = args.model  # the process trees read it when they import this file
+    path = common.fresh_file(args.out, "longest.jsonl")
+    budget = args.budget_mb
+    records = [] if args.only_timing else [longest(text, budget, args.start, args.grain, args.max_n, path)
+                                           for text in args.systems]
+    for r in records:
+        common.emit(r, path)
+    if args.common:
+        for text in args.systems:
+            kind, P, features = parse_system(text)
+            if P == 2:
+                common.emit(tree(timing, P, kind, P, features, args.common), path)
+    with open(path) as f:
+        plot([json.loads(line) for line in f], os.path.join(args.out, "longest.png"))
+    print(f"wrote {path} and longest.png", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
