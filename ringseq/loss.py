@@ -74,7 +74,7 @@ def _slab_loss(hidden, labels, head, softcap):
 def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,
                           final_softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
     """``cross_entropy`` of ``head(hidden)`` without ever holding the logits of more than
-    ``chunk`` tokens (default ``slab_tokens(vocab)``: 64 MiB of fp32 logits): each slab's logits
+    ``chunk`` tokens (default ``slab_tokens(vocab)``: 64 MiB of fp32 logits, at least 512 tokens): each slab's logits
     are recomputed in backward (activation checkpointing), as DeepSpeed ALST's tiled loss does.
     Exact: the slab sums add up to the same sum."""
     # a Linear (or PEFT's wrapper) knows its width also when ZeRO-3 has partitioned its weight away
