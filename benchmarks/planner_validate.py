@@ -53,10 +53,11 @@ def measure(N: int, reps: int) -> dict:
     return dict(N=N, P=P, peak_mb=round(peak, 1), step_ms=round(ms, 1))
 
 
-def plan_inputs(N: int, P: int) -> dict:
-    """The ``ringseq.plan`` keywords that describe the measured run."""
+def plan_inputs(N: int, P: int, chunked_loss: bool | None = None) -> dict:
+    """The ``ringseq.plan`` keywords that describe the measured run (by default the unpatched
+    model's full-logits loss at P = 1 and ringseq's chunked loss beyond)."""
     return dict(model=CONFIG, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu", zero_stage=0, optimizer=False,
-                chunked_loss=P > 1, layout="zigzag", ulysses_size=1)
+                chunked_loss=P > 1 if chunked_loss is None else chunked_loss, layout="zigzag", ulysses_size=1)
 
 
 def predict(inputs: dict) -> dict:
