@@ -105,16 +105,17 @@ def skipped_layer_and_backward_are_refused():
 def _fail_at(invocation: int):
     """Make this rank's block compute raise at its ``invocation``-th ring step (0-based,
     forward steps first, then backward steps), as an out-of-memory error would."""
-    original, count = ring._Schedule.calls, [0]
+    original, count = ring._Schedule.compute, [0]
 
-    def calls(self, t):
+    def failing(*args):
+        raise RuntimeError("injected: CPU out of memory in the block kernel")
+
+    def compute(self, t, work):
         count[0] += 1
-        if count[0] - 1 == invocation:
-            raise RuntimeError("injected: CPU out of memory in the block kernel")
-        return original(self, t)
+        return original(self, t, failing if count[0] - 1 == invocation else work)
 
-    ring._Schedule.calls = calls
-    return lambda: setattr(ring._Schedule, "calls", original)
+    ring._Schedule.compute = compute
+    return lambda: setattr(ring._Schedule, "compute", original)
 
 
 def failure_fails_the_group(where: str):
