@@ -1,5 +1,6 @@
 """Tiny random-init models of every tested family, and the parity check run on every rank."""
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -338,7 +339,9 @@ def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=Fals
     _, _, plain_posts, plain_forwards = backward_counts(plain, batch)
     model = copy.deepcopy(base)
     model.train()
-    extra = {"offload": True} if offload else {}  # transformers 5.0 has no offload option
+    enable_fn = getattr(type(model), "activation_checkpointing_enable", None)
+    offload = offload and enable_fn is not None and "offload" in inspect.signature(enable_fn).parameters
+    extra = {"offload": True} if offload else {}  # older transformers 5.x have no offload option
 
     def enable():
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant}, **extra)

@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 # fp32 attention is within ~1e-7 of float64; 1e-5 only says a benchmark computed attention and not
 # something else (exactness itself is tested in tests/dist)
@@ -57,6 +59,7 @@ def test_lockstep_benchmark(tmp_path):
     assert "median_agree_share" in summary and (tmp_path / "lockstep.png").exists()
 
 
+@pytest.mark.slow  # two DeepSpeed process trees; the features it drives are tested in test_hf_models / test_launch
 def test_longest_benchmark(tmp_path):
     """The search, the watchdog-free path and the plot at a toy size (ALST through DeepSpeed and
     ringseq with every memory feature): both fit the cap of 1024 tokens in a generous budget."""
