@@ -7,6 +7,9 @@ resident set before inputs were made (so it counts inputs, outputs, gradients an
 """
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import gc
 import json
 import os
 import resource
@@ -68,6 +71,55 @@ def run_tree(fn, nprocs: int, threads: int, *args, timeout: float = 3600.0):
             if p.is_alive():
                 p.kill()
     return got[0]
+
+
+MMAP_THRESHOLD = "65536"
+"""glibc's MALLOC_MMAP_THRESHOLD_ for memory measurements: every allocation of 64 KiB or more gets
+pages of its own, returned when the tensor is freed, so the resident set follows the live tensors
+(glibc's default, a threshold that rises up to 32 MiB as large blocks are freed, keeps freed
+tensors in its heap instead)."""
+
+
+@contextlib.contextmanager
+def freed_memory_returned():
+    """Processes spawned inside run with ``MMAP_THRESHOLD`` (read by glibc at process start)."""
+    old = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = MMAP_THRESHOLD
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["MALLOC_MMAP_THRESHOLD_"]
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = old
+
+
+def hwm_mb() -> float:
+    """The resident set's high-water mark (VmHWM) since the last ``reset_peak``, MB."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Free what can be freed and reset VmHWM to the current resident set."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def step_peak_mb(step) -> float:
+    """The peak resident set of ``step()`` above the resident set just before it, MB, after one
+    warm-up ``step()`` (a process's first step also faults in code, thread pools and caches it
+    keeps: about 10-15 MB here, whatever the sequence length)."""
+    step()
+    reset_peak()
+    before = rss_mb()
+    step()
+    return hwm_mb() - before
 
 
 def rss_mb() -> float:

@@ -1,13 +1,16 @@
 """Per-rank activation memory of a patched tiny Llama as the sequence grows: does it fall as 1/P?
 
-For each length N and ring size P, a fresh process tree runs one forward+backward of the same
-random-init model on the same batch and reports each rank's peak resident memory above its
-baseline after the model was built (so the weights, identical everywhere, are not counted).
+For each length N and ring size P, a fresh process tree runs forward+backward steps of the same
+random-init model on the same batch and reports each rank's step memory: the peak resident set
+of a step above the resident set just before it, after a warm-up step (``common.step_peak_mb``,
+as ``longest.py`` measures; the weights, identical everywhere, are not counted).
 Like is compared with like: P=1 is ringseq at sp 1 (the same chunked loss and code path as at
 P > 1), and ``scaling_efficiency`` = peak(N, 1) / (P x peak(N, P)) (1.0: memory falls exactly as
 1/P). The unpatched model in one process (transformers' full-logits loss) is reported beside it
 as ``system: unpatched``. Prints one JSON line per (N, system, P) with ``peak_mb`` (largest rank)
-and ``loss``, and draws ``benchmarks/results/model_memory.png``. Usage::
+and ``loss``, and draws ``benchmarks/results/model_memory.png``. The trees run with
+``common.MMAP_THRESHOLD`` (freed tensors leave the resident set, as ``longest.py`` measures;
+``--default-malloc``: glibc's default, whose heap keeps some of them). Usage::
 
     python benchmarks/model_memory.py
     python benchmarks/model_memory.py --lengths 4096 8192 --sizes 1 2
@@ -44,12 +47,17 @@ def measure(N: int, patched: bool = True) -> dict:
     if patched:
         ringseq.patch(model, sp=ringseq.init(sp_size=P))
     ids = torch.randint(0, 2048, (1, N), generator=torch.Generator().manual_seed(1))
-    base = common.rss_mb()
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    peak = common.slowest(common.peak_rss_mb() - base)
+    losses = []
+
+    def step():
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+
+    peak = common.slowest(common.step_peak_mb(step))
     return dict(N=N, P=P, system="ringseq" if patched else "unpatched", peak_mb=round(peak, 1),
-                loss=round(loss.item(), 6))
+                loss=round(losses[-1], 6))
 
 
 def plot(records, path):
@@ -76,7 +84,11 @@ def main(argv=None):
     parser.add_argument("--lengths", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--out", default=common.RESULTS)
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="glibc's default allocator (freed tensors may stay resident) instead of MMAP_THRESHOLD")
     args = parser.parse_args(argv)
+    if not args.default_malloc:  # inherited by the process trees: freed tensors leave the resident set
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = common.MMAP_THRESHOLD
     jsonl = common.fresh_file(args.out, "model_memory.jsonl")
     records = []
     for N in args.lengths:

@@ -18,7 +18,8 @@ Llama the validation trains (d=256, F=688, 8 query / 2 kv heads, D=32):
                per rank: the preset's ``ring_overhead_ms`` (the 32-token call less its kernels) and
                ``ring_compute_factor`` (the rest of the 1024-token call over the kernel-rate prediction).
 
-Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
+The kernels run in fresh processes of one thread (one alone, then one per core at once), as the
+validation's ranks do. Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
 Prints JSON lines, writes ``docs/planner_calibration.jsonl`` and, with ``--write-preset``, the
 "cpu" entry of ``ringseq/planner/presets.json``. Usage::
 
@@ -109,10 +110,10 @@ def kernels() -> list[dict]:
             dict(part="memory", gbps=round(mem, 2), layer_gbps=round(layer, 2))]
 
 
-def _loaded_kernels() -> dict:
-    """``kernels()`` on every rank at once (one per core): rank 0's rates."""
+def _tree_kernels() -> list[dict]:
+    """``kernels()`` on every rank of a fresh process tree at once: rank 0's rates."""
     dist.barrier()
-    return {r["part"]: r for r in kernels()}
+    return kernels()
 
 
 def _ring_call() -> dict:
@@ -214,8 +215,11 @@ def main(argv=None):
     parser.add_argument("--write-preset", action="store_true", help="store the rates as the cpu preset")
     args = parser.parse_args(argv)
     path = common.fresh_file(args.out, "planner_calibration.jsonl")
-    records = kernels()
-    loaded = common.run_tree(_loaded_kernels, 2, 1)  # the same kernels with every core busy
+    # alone in a fresh process, as each rank of the validation runs, then on every core at once;
+    # the same kernels in this driver process are recorded beside them (part "driver"), not used
+    records = common.run_tree(_tree_kernels, 1, 1)
+    loaded = {r["part"]: r for r in common.run_tree(_tree_kernels, 2, 1)}
+    driver = {r["part"]: r for r in kernels()}
     single = {r["part"]: r for r in records}
     ratios = [single["gemm"]["gflops"] / loaded["gemm"]["gflops"],
               single["attention"]["fwd_gflops"] / loaded["attention"]["fwd_gflops"],
@@ -223,6 +227,9 @@ def main(argv=None):
               single["memory"]["layer_gbps"] / loaded["memory"]["layer_gbps"]]
     records.append(dict(part="all_cores_busy", slowdown=round(statistics.mean(ratios), 3),
                         ratios=[round(r, 3) for r in ratios]))
+    records.append(dict(part="driver", gemm_gflops=driver["gemm"]["gflops"],
+                        fwd_gflops=driver["attention"]["fwd_gflops"], bwd_gflops=driver["attention"]["bwd_gflops"],
+                        layer_gbps=driver["memory"]["layer_gbps"]))
     records.append(common.run_tree(_gloo, 2, 1))
     records.append(common.run_tree(_ring_call, 2, 1))
     for rec in records:
