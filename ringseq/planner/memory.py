@@ -1,11 +1,29 @@
-"""Per-rank memory: weights, gradients and optimizer state by ZeRO stage; activations by layer.
+"""Per-rank memory: weights, gradients and optimizer state by ZeRO stage; a step's peak by phase.
 
-Letters of ``ringseq.shapes``; ``s`` local tokens of a rank, ``b`` bytes per element, G ranks
-that ZeRO shards over. Activations are counted in elements per token and layer of a Llama
-layer under autograd (see ``layer_elements``); transients (the loss's logits, one layer's
-backward, the ring's buffers) are added once, at their largest.
+Letters of ``ringseq.shapes``; ``s`` local tokens of a rank, ``c`` tokens of a ring chunk, ``h``
+and ``k`` query and kv heads per rank, ``b`` bytes per element, G ranks that ZeRO shards over.
+Activations are counted in elements per token and layer, as autograd's saved tensors of
+transformers' Llama show them (``layer_elements``); ``benchmarks/memory_profile.py`` measures
+them.
+
+A training step's memory is not a sum of everything it ever allocates: the gradients appear as
+backward frees the activations. Its peak is the largest of four moments, each counted as what
+is alive then (``step_phases``):
+
+``loss``   the loss's backward: every layer's kept activations and log-softmax's backward over
+           the shard's logits (a slab's with the chunked loss, beside the head's weight
+           gradient summed over the earlier slabs);
+``top``    the last layer's backward (the first to run): the kept activations of the other
+           layers, this layer's saved tensors (rebuilt by the recompute under checkpointing) and
+           its backward workspace (the ring's, or the MLP's), the head's gradients;
+``bottom`` the first layer's backward: its own saved tensors and workspace, every other
+           layer's gradients;
+``end``    the end of backward: every gradient, and under DeepSpeed ZeRO-1/2 the contiguous
+           reduce bucket the gradients are copied into.
 """
 from __future__ import annotations
+
+import dataclasses
 
 from ringseq.slabs import slab_tokens
 
@@ -13,6 +31,9 @@ from .features import Features
 from .model_spec import ModelSpec
 
 GB = 2**30
+ACC = 4  # bytes of the ring's accumulators (dq, dk/dv, the output): fp32
+LSE = 8  # bytes of a log-sum-exp element: ringseq keeps it in fp64
+REDUCE_BUCKET = 500_000_000  # DeepSpeed's default reduce_bucket_size (elements), ZeRO-1/2 contiguous_gradients
 
 
 def layer_elements(m: ModelSpec) -> int:
@@ -23,13 +44,44 @@ def layer_elements(m: ModelSpec) -> int:
     return 6 * m.d + 2 + 2 * m.H * m.D + 2 * m.K * m.D + m.H + 4 * m.F
 
 
-def kept_elements(m: ModelSpec, f: Features) -> float:
-    """Elements per token and layer kept until backward, under checkpointing / tiled MLP."""
-    if f.checkpointing:
-        return m.d + m.H * m.D + m.H  # layer input, ring output, log-sum-exp (fp32: H per token)
-    if f.tiled_mlp:
-        return layer_elements(m) - 4 * m.F
-    return layer_elements(m)
+@dataclasses.dataclass(frozen=True)
+class _Layer:
+    """Bytes per token of one layer at one rank: ``saved`` for backward, ``kept`` until backward
+    (``saved`` without checkpointing), ``workspace`` the backward's peak beyond its saved tensors."""
+
+    saved: float
+    kept: float
+    workspace: float
+
+
+def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool) -> _Layer:
+    h, k, D = m.H / U, max(m.K / U, 1), m.D
+    mlp_saved = 0 if f.tiled_mlp else 4 * m.F * b  # gate, up, silu(gate), product (a tiled MLP saves none)
+    saved = (layer_elements(m) - 4 * m.F) * b + mlp_saved
+    if ring:  # ringseq's ring keeps its log-sum-exp in fp64
+        saved += m.H * (LSE - b)
+    kept = saved
+    if f.checkpointing:  # the layer input, and the ring output and log-sum-exp ringseq keeps
+        kept = m.d * b + (m.H * D * b + m.H * LSE if ring else 0)
+    per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
+    if ring:
+        # dout's contiguous copy, dq (fp32), the kernel's dq; K/V: two receive sets (b); dK/dV
+        # (fp32): this step's, the kernel's, the sent ones in flight and the received set
+        attn = per_chunk * (h * D * (b + 2 * ACC) + k * D * (4 * b + 8 * ACC))
+    else:  # the kernel's dq, dk, dv and dout's copy
+        attn = h * D * 2 * b + 2 * k * D * b
+    attn += m.H * D * b  # the gradient of the o_proj input
+    if U > 1:  # the all-to-all's send and receive copies of q, k, v and the output
+        attn += 2 * (2 * m.H + 2 * max(m.K, U)) * D * b / U
+    # backward runs the MLP first, with everything saved: the product's gradient, then silu's
+    # and up's, as the product is freed (+2F); a tiled MLP rebuilds one tile at a time (its 4F
+    # and those 2F) beside the input's gradient. By the attention's backward the MLP and the
+    # second norm have freed what they saved.
+    tiles = f.tiled_mlp or 1
+    mlp = (6 * m.F / tiles + m.d) * b if f.tiled_mlp else 2 * m.F * b
+    attn -= mlp_saved + (3 * m.d + 1) * b
+    workspace = max(attn, mlp) + 2 * m.d * b  # + the residual stream's gradient, twice
+    return _Layer(saved=saved, kept=kept, workspace=workspace)
 
 
 def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
@@ -46,29 +98,61 @@ def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
     return dict(weights=weights, grads=grads, optimizer=optimizer)
 
 
-def activations(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> dict[str, float]:
-    """Bytes of activations per rank: ``s`` local tokens, ring chunk ``c`` tokens of H/U heads."""
+def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, dict]:
+    """What is alive at each moment of a training step's peak candidates (module docstring):
+    {phase: {grads, activations, transient}} in bytes per rank."""
     B = f.micro_batch
-    if not f.training:
-        kept, layer_ws = 0.0, layer_elements(m) * s * b * B
-    else:
-        kept = (m.L * kept_elements(m, f) + 3 * m.d) * s * b * B  # + final norm and the head's input
-        layer_ws = layer_elements(m) * s * b * B * (2 if f.checkpointing else 1)
-        if f.tiled_mlp:
-            layer_ws -= 4 * m.F * s * b * B * (1 - 1 / f.tiled_mlp)
-    h, k = m.H / U, max(m.K / U, 1)
-    ring = (2 * 2 * c * k * m.D * b + c * h * m.D * 4) * B  # two K/V buffers in flight, fp32 accumulator
-    if f.training:
-        ring = max(ring, (2 * 2 * c * k * m.D * (b + 4) + c * h * m.D * 4) * B)  # K/V + fp32 dK/dV, fp32 dQ
-    ulysses = 2 * s * (2 * m.H + 2 * max(m.K, U)) * m.D * b * B if U > 1 else 0.0
+    ly = _layer(m, f, b, s, c, U, ring)
+    grads = states(m, f, b, G)["grads"]
+    head_grad = m.V * m.d * b  # the LM head's weight gradient
+    layer_grad = (m.layer_params + 2 * m.d) * b
+    kept_layers = m.L * ly.kept * s * B
     rows = min(s, slab_tokens(m.V)) if f.chunked_loss else s
-    loss = rows * m.V * (b + (4 if b < 4 else 0) + (8 if f.training else 0)) * B  # logits, fp32 copy, log-softmax, grad
-    return dict(activations=kept, transient=max(loss, layer_ws + ring + ulysses))
+    # log-softmax's backward: its saved output, the gradient in and out (fp32; + the logits in b
+    # and their fp32 copy below 4 bytes). The head's weight gradient comes after it, except with
+    # two slabs or more, where the earlier slabs' sum already exists.
+    loss = rows * m.V * (b + (4 if b < 4 else 0) + 8) * B
+    loss_grads = head_grad if f.chunked_loss and s > rows else 0.0
+    rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B
+    work = ly.workspace * s * B
+    phases = dict(
+        loss=dict(grads=loss_grads, activations=kept_layers + 3 * m.d * b * s * B, transient=loss),  # + final norm
+        top=dict(grads=head_grad, activations=kept_layers, transient=rebuilt + work),
+        bottom=dict(grads=min(grads, head_grad + (m.L - 1) * layer_grad), activations=ly.kept * s * B,
+                    transient=rebuilt + work),
+        end=dict(grads=grads, activations=0.0, transient=0.0))
+    if 1 <= f.zero_stage <= 2 and f.optimizer:  # DeepSpeed copies the gradients into its reduce bucket
+        phases["end"]["transient"] = min(m.params, REDUCE_BUCKET) * (4 if f.zero_stage == 1 else b)
+    return phases
 
 
-def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int) -> dict[str, float]:
-    """Every part in GiB, and ``total``."""
-    parts = {**states(m, f, b, G), **activations(m, f, b, s, c, U)}
+def _inference(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> dict[str, float]:
+    """One forward: one layer's activations at a time, the ring's buffers, the logits."""
+    B = f.micro_batch
+    h, k = m.H / U, max(m.K / U, 1)
+    layer = layer_elements(m) * s * b * B
+    ring = (2 * 2 * c * k * m.D * b + 2 * c * h * m.D * ACC) * B  # two K/V sets, the accumulator, a partial
+    ulysses = 2 * s * (2 * m.H + 2 * max(m.K, U)) * m.D * b * B if U > 1 else 0.0
+    logits = min(s, slab_tokens(m.V)) if f.chunked_loss else s
+    return dict(grads=0.0, activations=0.0, transient=max(logits * m.V * (b + 4) * B, layer + ring + ulysses))
+
+
+def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, float]:
+    """Bytes alive at the step's peak: {grads, activations, transient, phase}."""
+    if not f.training:
+        return dict(_inference(m, f, b, s, c, U), phase="forward")
+    phases = step_phases(m, f, b, G, s, c, U, ring)
+    name = max(phases, key=lambda p: sum(phases[p].values()))
+    return dict(phases[name], phase=name)
+
+
+def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, float]:
+    """Every part in GiB at the step's peak (weights, optimizer state; the gradients, activations
+    and workspace alive then), and ``total``."""
+    st = states(m, f, b, G)
+    peak = activations(m, f, b, G, s, c, U, ring)
+    parts = dict(weights=st["weights"], optimizer=st["optimizer"], grads=peak["grads"],
+                 activations=peak["activations"], transient=peak["transient"])
     parts = {k: v / GB for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

@@ -1,16 +1,17 @@
-"""The planner against runs measured here: docs/planner_validation.jsonl (benchmarks/planner_validate.py,
-a tiny Llama's forward+backward at P = 1, 2, 4 on CPU gloo) and docs/model_memory.jsonl
-(benchmarks/model_memory.py, the same model). Predictions are recomputed from the "cpu" preset,
-calibrated apart (benchmarks/planner_calibrate.py), so a change to the cost model that breaks
-the agreement fails here.
+"""The planner against runs measured here, predictions recomputed from the stored records (no runs):
 
-The issue's bar is 15% on step time and memory, and it is NOT met reliably here: this 2-core
-machine is shared, and between back-to-back runs the calibrated GEMM rate moved from 83 to 45
-GFLOP/s and one run's P=2 step took longer than its P=4 step. The recorded run (calibration and
-validation in one locked session) is off by -48% .. +27% on step time (per case in
-docs/planner.md) and -20% .. -14% on memory (the model counts neither allocator slack nor all
-of the ring's workspace). These tests pin the cases at the tolerances below, so a change to the
-model that makes the agreement worse fails; docs/planner.md states the gap.
+- docs/planner_validation.jsonl (benchmarks/planner_validate.py): a tiny Llama's forward+backward
+  at P = 1, 2, 4 on CPU gloo, step time and step memory;
+- docs/model_memory.jsonl (benchmarks/model_memory.py): the same model's step memory, unpatched
+  and ringseq, up to N = 8192;
+- docs/longest.jsonl (benchmarks/longest.py): the step memory of every probe of a 47M-parameter
+  Llama under ringseq.initialize (ZeRO-1) with the chunked loss, checkpointing and tiled MLP at
+  P = 2 and 4, and the unpatched model.
+
+The "cpu" preset is calibrated apart (benchmarks/planner_calibrate.py), so a change to the cost
+model that breaks the agreement fails here. Memory is the resident set with freed tensors
+returned (``common.MMAP_THRESHOLD``); glibc's default heap keeps more, stated in docs/planner.md.
+The tolerances are what the recorded runs meet (docs/planner.md gives every case's error).
 """
 import json
 import pathlib
@@ -22,13 +23,15 @@ DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 sys.path.insert(0, str(DOCS.parent / "benchmarks"))
 import planner_validate  # noqa: E402
 
-PINNED = dict(step=0.50, memory=0.25)  # what the recorded run meets, see the module docstring
+PINNED = dict(step=0.25, memory=0.05, longest=0.05)  # relative error every recorded case meets (the bar: 15%)
 VALIDATION = [json.loads(line) for line in (DOCS / "planner_validation.jsonl").read_text().splitlines()]
-MODEL_MEMORY = [json.loads(line) for line in (DOCS / "model_memory.jsonl").read_text().splitlines()]
+MODEL_MEMORY = planner_validate.model_memory_records(str(DOCS / "model_memory.jsonl"))
+LONGEST = planner_validate.longest_records(str(DOCS / "longest.jsonl"))
 
 
 def test_the_validation_covers_p_1_2_4():
     assert {r["P"] for r in VALIDATION} == {1, 2, 4}
+    assert {r["P"] for r in MODEL_MEMORY} == {1, 2, 4}
 
 
 @pytest.mark.parametrize("rec", VALIDATION, ids=lambda r: f"N{r['N']}-P{r['P']}")
@@ -41,9 +44,22 @@ def test_step_time_and_memory_against_the_measured_run(rec):
 
 @pytest.mark.parametrize("rec", MODEL_MEMORY, ids=lambda r: f"N{r['N']}-{r['system']}-P{r['P']}")
 def test_memory_against_model_memory_benchmark(rec):
-    """model_memory.py measures the same model the same way (first step, peak RSS above the
-    baseline after the model was built): the unpatched model (full logits) and ringseq (chunked
-    loss) at P = 1, ringseq at P = 2 and 4."""
-    chunked = rec["system"] == "ringseq"
-    pred = planner_validate.predict(planner_validate.plan_inputs(rec["N"], rec["P"], chunked))
-    assert pred["peak_mb"] == pytest.approx(rec["peak_mb"], rel=PINNED["memory"])
+    """The unpatched model (full logits) and ringseq (chunked loss) at P = 1, ringseq at P = 2 and 4."""
+    assert rec["predicted_mb"] == pytest.approx(rec["peak_mb"], rel=PINNED["memory"])
+
+
+def test_the_longest_check_covers_p_2_and_4_and_the_memory_features():
+    features = {f for r in LONGEST for f in r["system"].split(":")[2].split(",") if f}
+    assert {r["P"] for r in LONGEST} == {1, 2, 4} and features == {"loss", "ckpt", "tiled"}
+    # points where activations, not the gradients' floor, set the peak, for each feature set
+    systems = {r["system"] for r in LONGEST}
+    floor = min(r["measured_mb"] for r in LONGEST if r["P"] > 1)
+    assert all(any(r["measured_mb"] > 1.05 * floor for r in LONGEST if r["system"] == s) for s in systems if s[0] == "r")
+    # what the planner does not cost is left out, not guessed
+    assert planner_validate.longest_inputs("alst:2:", 4096) is None
+    assert planner_validate.longest_inputs("ringseq:2:loss,replay,tiled", 4096) is None
+
+
+@pytest.mark.parametrize("rec", LONGEST, ids=lambda r: f"{r['system']}-N{r['N']}")
+def test_step_memory_against_the_longest_benchmark(rec):
+    assert rec["predicted_mb"] == pytest.approx(rec["measured_mb"], rel=PINNED["longest"])
