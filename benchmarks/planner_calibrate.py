@@ -19,7 +19,9 @@ Llama the validation trains (d=256, F=688, 8 query / 2 kv heads, D=32):
                ``ring_compute_factor`` (the rest of the 1024-token call over the kernel-rate prediction).
 
 The kernels run in fresh processes of one thread (one alone, then one per core at once), as the
-validation's ranks do. Each rate is the best of 10 repetitions (this machine is shared: slower ones are interference).
+validation's ranks do. Each rate is the median of 10 repetitions after a warm-up, the statistic
+the validation reports (this machine is shared: its speed moves, and the best repetition caught
+its fastest moments).
 Prints JSON lines, writes ``docs/planner_calibration.jsonl`` and, with ``--write-preset``, the
 "cpu" entry of ``ringseq/planner/presets.json``. Usage::
 
@@ -43,14 +45,14 @@ import common  # noqa: E402
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs")
 
 
-def _best(fn, reps: int = 10) -> float:
+def _typical(fn, reps: int = 10) -> float:
     fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)
-    return min(times)
+    return statistics.median(times)
 
 
 def _rms(x, w):
@@ -89,21 +91,21 @@ def kernels() -> list[dict]:
     n, d, F = 2048, 256, 688
     x, w = torch.randn(n, d, requires_grad=True), torch.randn(d, F, requires_grad=True)
     g = torch.randn(n, F)
-    gemm = 3 * 2 * n * d * F / _best(lambda: torch.autograd.grad(x @ w, (x, w), g)) / 1e9
+    gemm = 3 * 2 * n * d * F / _typical(lambda: torch.autograd.grad(x @ w, (x, w), g)) / 1e9
     H, K, D, c = 8, 2, 32, 1024
     q = torch.randn(1, H, c, D, requires_grad=True)
     k, v = (torch.randn(1, H, c, D, requires_grad=True) for _ in range(2))
     sdpa = torch.nn.functional.scaled_dot_product_attention
     fwd_flops = 4 * c * c * H * D
-    t_fwd = _best(lambda: sdpa(q.detach(), k.detach(), v.detach()))
+    t_fwd = _typical(lambda: sdpa(q.detach(), k.detach(), v.detach()))
     out = sdpa(q, k, v)
     dout = torch.randn_like(out)
-    t_both = _best(lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), dout))
+    t_both = _typical(lambda: torch.autograd.grad(sdpa(q, k, v), (q, k, v), dout))
     a, b = torch.randn(16 << 20), torch.randn(16 << 20)
     c_ = torch.empty_like(a)
-    mem = 3 * a.numel() * 4 / _best(lambda: torch.add(a, b, out=c_)) / 1e9
+    mem = 3 * a.numel() * 4 / _typical(lambda: torch.add(a, b, out=c_)) / 1e9
     # two layers' worth of elements, five passes each, as the planner counts
-    layer = 2 * _ELEMENTS * n * 4 * 5 / _best(lambda: _elementwise_layer(n)) / 1e9
+    layer = 2 * _ELEMENTS * n * 4 * 5 / _typical(lambda: _elementwise_layer(n)) / 1e9
     return [dict(part="gemm", gflops=round(gemm, 2), shape=[n, d, F]),
             dict(part="attention", fwd_gflops=round(fwd_flops / t_fwd / 1e9, 2),
                  bwd_gflops=round(2.5 * fwd_flops / (t_both - t_fwd) / 1e9, 2), block=c, heads=H, head_dim=D),
@@ -139,7 +141,7 @@ def _ring_call() -> dict:
             start = time.perf_counter()
             step()
             times.append(common.slowest(time.perf_counter() - start))
-        out[s] = min(times) * 1e3
+        out[s] = statistics.median(times) * 1e3
     return dict(part="ring", ms_32=round(out[32], 2), ms_1024=round(out[1024], 2))
 
 

@@ -12,9 +12,9 @@ The "cpu" preset is calibrated apart (benchmarks/planner_calibrate.py), so a cha
 model that breaks the agreement fails here. Memory is the resident set with freed tensors
 returned (``common.MMAP_THRESHOLD``); glibc's default heap keeps more, stated in docs/planner.md.
 The tolerances are what the recorded runs meet (docs/planner.md gives every case's error): the
-memory within 5% everywhere; the step time within 20%, not the issue's 15% (four cases of the
-recorded session are 15-20% fast: this shared 2-core VM's speed moves between the calibration
-and the runs, docs/planner.md).
+memory within 5% everywhere; the step time within the issue's 15%, narrowly (-14.6% .. +10.3%:
+this shared 2-core VM's speed moves between the calibration and the runs; two earlier sessions
+missed by up to 22%, docs/planner.md).
 """
 import json
 import pathlib
@@ -26,7 +26,7 @@ DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs"
 sys.path.insert(0, str(DOCS.parent / "benchmarks"))
 import planner_validate  # noqa: E402
 
-PINNED = dict(step=0.20, memory=0.05, longest=0.05)  # relative error every recorded case meets (the bar: 15%)
+PINNED = dict(step=0.15, memory=0.05, longest=0.05)  # relative error every recorded case meets (the bar: 15%)
 VALIDATION = [json.loads(line) for line in (DOCS / "planner_validation.jsonl").read_text().splitlines()]
 MODEL_MEMORY = planner_validate.model_memory_records(str(DOCS / "model_memory.jsonl"))
 LONGEST = planner_validate.longest_records(str(DOCS / "longest.jsonl"))
