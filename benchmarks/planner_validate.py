@@ -101,7 +101,8 @@ def longest_inputs(system: str, N: int) -> dict | None:
         return None
     model = longest.MODELS["bench"]
     tiles = tiles_for(True, N // P, model["hidden_size"]) if "tiled" in features else 1
-    return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu", zero_stage=0 if kind == "unpatched" else 1,
+    return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
+                zero_stage=0 if kind == "unpatched" else 1,
                 optimizer=kind != "unpatched", chunked_loss="loss" in features, checkpointing="ckpt" in features,
                 tiled_mlp=tiles if tiles > 1 else None, offload="offload" in features, layout="zigzag", ulysses_size=1)
 
@@ -160,10 +161,12 @@ def tables(docs: str) -> str:
         got, pred = rec["measured"], predict(rec["plan"])
         lines.append(f"| {rec['N']} | {rec['P']} | {got['step_ms']:.0f} | {pred['step_ms']:.0f} | "
                      f"{pred['step_ms'] / got['step_ms'] - 1:+.1%} | {got['peak_mb']:.0f} | {pred['peak_mb']:.0f} | "
-                     f"{pred['peak_mb'] / got['peak_mb'] - 1:+.1%} | {got.get('peak_mb_default_malloc', float('nan')):.0f} |")
+                     f"{pred['peak_mb'] / got['peak_mb'] - 1:+.1%} | "
+                     f"{got.get('peak_mb_default_malloc', float('nan')):.0f} |")
     lines += ["", "| N | system | P | measured MB | predicted MB | error |", "|---|---|---|---|---|---|"]
     for rec in model_memory_records(os.path.join(docs, "model_memory.jsonl")):
-        lines.append(f"| {rec['N']} | {rec['system']} | {rec['P']} | {rec['peak_mb']:.0f} | {rec['predicted_mb']:.0f} | "
+        lines.append(f"| {rec['N']} | {rec['system']} | {rec['P']} | {rec['peak_mb']:.0f} | "
+                     f"{rec['predicted_mb']:.0f} | "
                      f"{rec['error']:+.1%} |")
     lines += ["", "| system | P | probes | N | step MB measured | predicted | error range |",
               "|---|---|---|---|---|---|---|"]
