@@ -30,33 +30,37 @@ class RingComm:
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
         """1 once this rank failed or heard of a failure during this call (sent with every transfer)."""
         self._buffers: dict[str, list] = {}
-        """Receive buffers per kind of transfer: two sets, used in turn (the block received at step
-        t is computed on, and sent on, at step t+1 while step t+1's block arrives in the other set)."""
+        """Receive buffers per kind of transfer, used in turn: two sets for K/V (the block received
+        at step t is computed on, and sent on, at step t+1 while step t+1's block arrives in the
+        other set), one for gradient accumulators (a received one is added into this rank's own
+        before the next transfer of its kind is posted)."""
 
     def fail(self) -> None:
         self.status.fill_(1)
 
-    def post(self, tensors: list[torch.Tensor], step: int, shift: int = 1, kind: str = "kv") -> "Transfer":
+    def post(self, tensors: list[torch.Tensor], step: int, shift: int = 1, kind: str = "kv",
+             sets: int = 2) -> "Transfer":
         """Start sending ``tensors`` (and the status) to the rank ``shift`` places ahead (the
         next one by default) and receiving same-shaped ones from the rank ``shift`` places
-        behind, into the next of this ``kind``'s two preallocated buffer sets (a kind whose
-        shapes change gets new ones). Returns a handle; its ``wait()`` gives the received tensors."""
+        behind, into the next of this ``kind``'s ``sets`` preallocated buffer sets (a kind whose
+        shapes change gets new ones; ``sets=1`` when the caller is done with what it received
+        before it posts again). Returns a handle; its ``wait()`` gives the received tensors."""
         P = len(self.ranks)
         to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
         sends = [t.contiguous() for t in tensors] + [self.status.clone()]
-        recvs = self._next_buffers(kind, sends)
+        recvs = self._next_buffers(kind, sends, sets)
         ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
         ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recvs]
         return Transfer(self, dist.batch_isend_irecv(ops), recvs, sends, step, frm)
 
-    def _next_buffers(self, kind: str, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _next_buffers(self, kind: str, like: list[torch.Tensor], count: int = 2) -> list[torch.Tensor]:
         sets = self._buffers.get(kind, [])
         if sets and [(b.shape, b.dtype) for b in sets[0]] != [(t.shape, t.dtype) for t in like]:
             sets = []
-        if len(sets) < 2:  # the first two transfers of a kind allocate its two sets
+        if len(sets) < count:  # the first transfers of a kind allocate its sets
             self._buffers[kind] = sets + [[torch.empty_like(t) for t in like]]
             return self._buffers[kind][-1]
-        self._buffers[kind] = [sets[1], sets[0]]
+        self._buffers[kind] = sets[1:] + sets[:1]
         return sets[0]
 
     def failed(self) -> bool:

@@ -180,42 +180,64 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
     return out_acc.to(q.dtype), lse_acc, aux
 
 
+def _accumulate(total, rows: slice, grad, shape, dtype, travels: bool):
+    """``total[:, :, rows] += grad``; the first gradient that covers every row becomes the
+    accumulator itself (no zero-filled one beside it: the backward's peak is these buffers),
+    in the kernel's layout unless it ``travels`` (the wire takes contiguous tensors only)."""
+    if total is None:
+        if rows == slice(0, shape[2]) and grad.shape == shape and (grad.is_contiguous() or not travels):
+            return grad.to(dtype)
+        total = torch.zeros(shape, dtype=dtype, device=grad.device)
+    total[:, :, rows] += grad
+    return total
+
+
 def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
     opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
     sched = _Schedule(q, opts)
     acc = acc_dtype(q)
-    dout = dout.contiguous()
+    # The gradient arrives as a [B,H,s,D] view of [B,s,H,D] memory (transformers' layout). The
+    # CPU flash kernel works in that layout and copies a contiguous dout back into it, so on CPU
+    # it stays as it came (two q-sized copies fewer); other kernels get it contiguous.
+    if dout.device.type != "cpu" or dout.stride(-1) != 1:
+        dout = dout.contiguous()
     # A row that sees no key at all (lse -inf) has output 0 and passes no gradient; +inf
     # makes every exp(score - lse) of that row exactly 0 instead of nan.
     lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = dk = dv = None
     kv, travelling = (k.contiguous(), v.contiguous()), None
 
     def work(call, kernel, spec):
+        nonlocal dq, dk, dv
         qr, kr = call.q_rows, call.k_rows
         gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
                                      out[:, :, qr], lse_b[:, :, qr], aux, spec)
-        dq[:, :, qr] += gq
-        dk[:, :, kr] += gk
-        dv[:, :, kr] += gv
+        dq = _accumulate(dq, qr, gq, q.shape, acc, travels=False)
+        dk = _accumulate(dk, kr, gk, kv[0].shape, acc, travels=sched.steps > 1)
+        dv = _accumulate(dv, kr, gv, kv[1].shape, acc, travels=sched.steps > 1)
 
     for t in range(sched.steps):
         last = t == sched.steps - 1
         pending_kv = None if last else sched.comm.post(list(kv), t)
-        dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
-        dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+        dk = dv = None  # block j's accumulators start at this rank's own contribution
         sched.compute(t, work)
+        if dk is None:  # no call of this step (or a failed compute): nothing of this rank's own
+            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
+            dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
         if travelling is not None:  # block j's accumulators, from the rank that held it before
             dk_in, dv_in = travelling.wait()
             dk += dk_in
             dv += dv_in
         if not last:
-            travelling = sched.comm.post([dk, dv], t, kind="dkv")
+            # the accumulators received are added in above before the next post: one buffer set
+            travelling = sched.comm.post([dk, dv], t, kind="dkv", sets=1)
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="home").wait()
+        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=1).wait()
     sched.finish()
+    if dq is None:
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     dsinks = None
     if sinks is not None:
         # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])
