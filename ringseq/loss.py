@@ -64,11 +64,48 @@ def _upcast(logits: torch.Tensor) -> torch.Tensor:
     return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
 
+class _SlabTokenSum(torch.autograd.Function):
+    """``_token_sum`` of one slab's logits [n, V], its gradient formed in forward: softmax minus
+    the one-hot label (0 on ignored rows), written over the logits themselves where nothing else
+    holds them (``inplace``). The backward then holds one slab of [n, V], where log-softmax +
+    nll hold three (log-softmax's output, the nll gradient, the log-softmax gradient)."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, inplace: bool):
+        ctx.set_materialize_grads(False)
+        valid = (labels != IGNORE)[:, None]
+        label = labels.masked_fill(~valid[:, 0], 0)[:, None]
+        # log-softmax's own arithmetic (x - max, then minus log sum exp), so the value rounds as the plain loss's
+        top = logits.amax(-1, keepdim=True)
+        grad = logits.sub_(top) if inplace else logits - top
+        picked = grad.gather(-1, label)
+        norm = grad.exp_().sum(-1, keepdim=True)
+        total = (norm.log() - picked).masked_fill_(~valid, 0).double().sum()
+        grad.div_(norm)
+        grad.scatter_(-1, label, grad.gather(-1, label) - 1).masked_fill_(~valid, 0)
+        ctx.save_for_backward(grad)
+        if inplace:
+            ctx.mark_dirty(logits)
+            return total, logits
+        return (total,)
+
+    @staticmethod
+    def backward(ctx, d_total, *_):
+        (grad,) = ctx.saved_tensors
+        if d_total is None:
+            return None, None, None
+        return grad.mul_(d_total.to(grad.dtype)), None, None
+
+
 def _slab_loss(hidden, labels, head, softcap):
-    logits = _upcast(head(hidden))
+    raw = head(hidden)
+    logits = _upcast(raw)
+    # over the logits in place only where this function alone holds them: a Linear head's output
+    # (saved by nothing) or the fp32 copy of half-precision ones; not under softcap (tanh keeps its output)
+    inplace = softcap is None and (logits is not raw or type(head) is torch.nn.Linear)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    return _token_sum(logits, labels)
+    return _SlabTokenSum.apply(logits, labels, inplace)[0]
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,

@@ -2,7 +2,7 @@
 so this file imports nothing)."""
 
 SLAB_BYTES = 64 * 2**20
-"""fp32 logits per slab of the chunked loss (its backward holds about three slabs' worth at once)."""
+"""fp32 logits per slab of the chunked loss (its gradient is formed over the logits in place: one slab's worth at once)."""
 
 
 MIN_TOKENS = 512
