@@ -84,14 +84,14 @@ def window_sweep(out_dir: str, reps: int, N: int) -> list[dict]:
     return records
 
 
-def mode_sweep(out_dir: str, reps: int, N: int, kv_heads=(8, 4)) -> list[dict]:
+def mode_sweep(out_dir: str, reps: int, N: int, kv_heads=(8, 4), ulysses_sizes=(1, 2, 4)) -> list[dict]:
     P, records = 4, []
     for kv in kv_heads:
         ring = None
-        for ulysses in (1, 2, 4):
+        for ulysses in ulysses_sizes:
             rec = common.run_tree(measure, P, 1, N, kv, "zigzag", ulysses, None, reps)
             ring = rec["fwd_bwd_ms"] if ulysses == 1 else ring
-            rec["ratio_to_ring"] = round(rec["fwd_bwd_ms"] / ring, 3)
+            rec["ratio_to_ring"] = round(rec["fwd_bwd_ms"] / ring, 3) if ring else None
             records.append(rec)
             common.emit(rec, os.path.join(out_dir, "modes.jsonl"))
     return records
@@ -144,6 +144,8 @@ def main(argv=None):
     parser.add_argument("--window-n", type=int, default=16384, help="sequence length of the window sweep")
     parser.add_argument("--modes-n", type=int, default=8192, help="sequence length of the mode comparison")
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 4], help="kv heads of the mode comparison")
+    parser.add_argument("--ulysses-sizes", type=int, nargs="+", default=[1, 2, 4], choices=[1, 2, 4],
+                        help="ulysses_size of the modes compared over 4 ranks (1: pure ring, 4: pure Ulysses)")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     parts = args.parts or ["window", "modes"]
@@ -154,7 +156,7 @@ def main(argv=None):
         if part == "window":
             plot_window(window_sweep(args.out, args.reps, args.window_n), os.path.join(args.out, "window.png"))
         else:
-            plot_modes(mode_sweep(args.out, args.reps, args.modes_n, args.kv_heads), os.path.join(args.out, "modes.png"))
+            plot_modes(mode_sweep(args.out, args.reps, args.modes_n, args.kv_heads, args.ulysses_sizes), os.path.join(args.out, "modes.png"))
 
 
 if __name__ == "__main__":

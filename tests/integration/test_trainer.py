@@ -78,7 +78,9 @@ def test_accelerate_own_sp_size_is_refused():
     assert "step 0" not in out
 
 
-def test_accelerate_example_with_deepspeed():  # with --multi_gpu: test_launch.py, through ringseq launch
+# the example's ZeRO-3 route is the Accelerate step's above; with --multi_gpu it runs in test_launch.py
+@pytest.mark.slow
+def test_accelerate_example_with_deepspeed():
     launched(accelerate(2, ROOT / "examples/accelerate_loop.py", "--use_deepspeed", "--zero_stage", "3"), "step 3: loss",
              1, env={"RINGSEQ_SP_SIZE": "2"})
 
