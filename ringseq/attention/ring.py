@@ -217,24 +217,34 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
         dk = _accumulate(dk, kr, gk, kv[0].shape, acc, travels=sched.steps > 1)
         dv = _accumulate(dv, kr, gv, kv[1].shape, acc, travels=sched.steps > 1)
 
+    # Block j's dK/dV accumulators arrive from the rank that held it before. On a GPU they arrive
+    # while this step computes, into a buffer of their own, and are added after. On the CPU
+    # (gloo: a transfer cannot be polled, only waited for) they are waited for first and this
+    # step adds into them: neither the accumulators sent at the last step nor a fresh pair for
+    # this one is alive during the compute (two accumulator pairs fewer at the backward's peak,
+    # for a transfer that is short against a CPU block's compute).
+    eager = q.device.type == "cpu"
+    sets = 2 if eager else 1  # eager: the pair received last is sent on while the next arrives
     for t in range(sched.steps):
         last = t == sched.steps - 1
         pending_kv = None if last else sched.comm.post(list(kv), t)
-        dk = dv = None  # block j's accumulators start at this rank's own contribution
+        dk = dv = None  # otherwise they start at this rank's own contribution
+        if travelling is not None and eager:
+            dk, dv = travelling.wait()
+            travelling = None
         sched.compute(t, work)
         if dk is None:  # no call of this step (or a failed compute): nothing of this rank's own
             dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
             dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
-        if travelling is not None:  # block j's accumulators, from the rank that held it before
+        if travelling is not None:
             dk_in, dv_in = travelling.wait()
             dk += dk_in
             dv += dv_in
         if not last:
-            # the accumulators received are added in above before the next post: one buffer set
-            travelling = sched.comm.post([dk, dv], t, kind="dkv", sets=1)
+            travelling = sched.comm.post([dk, dv], t, kind="dkv", sets=sets)
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=1).wait()
+        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=sets).wait()
     sched.finish()
     if dq is None:
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
