@@ -39,9 +39,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import gc
 import glob
 import math
 import os
@@ -84,21 +82,6 @@ def batch(N: int) -> dict:
 
 
 # ---- memory -------------------------------------------------------------------------------------
-
-def _hwm_mb() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def _reset_peak() -> None:
-    gc.collect()
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # resets VmHWM to the current resident set
-
 
 class Watchdog(threading.Thread):
     """Ends the process (exit code 3) when its resident set passes ``limit_mb``, telling the
@@ -253,17 +236,17 @@ def probe(system, N: int, dog: Watchdog) -> dict:
     gradients, communication and kernel buffers); ``peak_mb``, the peak resident set of the whole
     step (forward, backward and optimizer; model, optimizer and DeepSpeed state included); and the
     step's seconds."""
-    _reset_peak()
+    common.reset_peak()
     before = common.rss_mb()
     dist.barrier()
     dog.watch(N, before)
     start = time.perf_counter()
     loss = system.forward_backward(N)
-    step_mb = _hwm_mb() - before
+    step_mb = common.hwm_mb() - before
     system.optimizer_step()
     seconds = time.perf_counter() - start
     dog.watch(None)
-    return dict(step_mb=round(common.slowest(step_mb), 1), peak_mb=round(common.slowest(_hwm_mb()), 1),
+    return dict(step_mb=round(common.slowest(step_mb), 1), peak_mb=round(common.slowest(common.hwm_mb()), 1),
                 seconds=round(common.slowest(seconds), 2), loss=round(loss, 4))
 
 
@@ -356,7 +339,8 @@ def tree(fn, P: int, *args):
 
     ctx = mp.get_context("spawn")
     results, port = ctx.Queue(), common.free_port()
-    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", "65536")  # inherited: freed tensors leave the resident set
+    # inherited: freed tensors leave the resident set
+    os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", common.MMAP_THRESHOLD)
     threads = max(1, (os.cpu_count() or 1) // P)
     procs = [ctx.Process(target=_entry, args=(r, P, port, threads, fn, args, results)) for r in range(P)]
     for p in procs:

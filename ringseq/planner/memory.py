@@ -54,7 +54,7 @@ class _Layer:
     workspace: float
 
 
-def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool) -> _Layer:
+def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool, host: bool) -> _Layer:
     h, k, D = m.H / U, max(m.K / U, 1), m.D
     mlp_saved = 0 if f.tiled_mlp else 4 * m.F * b  # gate, up, silu(gate), product (a tiled MLP saves none)
     saved = (layer_elements(m) - 4 * m.F) * b + mlp_saved
@@ -66,8 +66,11 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
         # dout's contiguous copy, dq (fp32), the kernel's dq; K/V: two receive sets (b); dK/dV
-        # (fp32): this step's, the kernel's, the sent ones in flight and the received set
-        attn = per_chunk * (h * D * (b + 2 * ACC) + k * D * (4 * b + 8 * ACC))
+        # (fp32): this step's, the kernel's, the sent ones in flight and the received set. On CPUs
+        # (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes transformers'
+        # layout), and the step adds into the received dK/dV, the sent ones already gone.
+        dout_copy, dkv_pairs = (0, 2) if host else (b, 4)
+        attn = per_chunk * (h * D * (dout_copy + 2 * ACC) + k * D * (4 * b + 2 * dkv_pairs * ACC))
     else:  # the kernel's dq, dk, dv and dout's copy
         attn = h * D * 2 * b + 2 * k * D * b
     attn += m.H * D * b  # the gradient of the o_proj input
@@ -98,20 +101,26 @@ def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
     return dict(weights=weights, grads=grads, optimizer=optimizer)
 
 
-def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, dict]:
+def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+                host: bool = False) -> dict[str, dict]:
     """What is alive at each moment of a training step's peak candidates (module docstring):
     {phase: {grads, activations, transient}} in bytes per rank."""
     B = f.micro_batch
-    ly = _layer(m, f, b, s, c, U, ring)
+    ly = _layer(m, f, b, s, c, U, ring, host)
     grads = states(m, f, b, G)["grads"]
     head_grad = m.V * m.d * b  # the LM head's weight gradient
     layer_grad = (m.layer_params + 2 * m.d) * b
     kept_layers = m.L * ly.kept * s * B
     rows = min(s, slab_tokens(m.V)) if f.chunked_loss else s
-    # log-softmax's backward: its saved output, the gradient in and out (fp32; + the logits in b
-    # and their fp32 copy below 4 bytes). The head's weight gradient comes after it, except with
-    # two slabs or more, where the earlier slabs' sum already exists.
-    loss = rows * m.V * (b + (4 if b < 4 else 0) + 8) * B
+    # Full logits: log-softmax's backward, its saved output and the gradient in and out (fp32; +
+    # the logits in b and their fp32 copy below 4 bytes). Chunked: a slab's gradient is formed over
+    # its fp32 logits in place (``ringseq.loss``), and the peak is the head's backward: that one
+    # slab, the slab's weight gradient and, with two slabs or more, the earlier slabs' sum.
+    upcast = 4 if b < 4 else 0
+    if f.chunked_loss:
+        loss = rows * m.V * (b + upcast) * B + head_grad
+    else:
+        loss = rows * m.V * (b + upcast + 8) * B
     loss_grads = head_grad if f.chunked_loss and s > rows else 0.0
     rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B
     work = ly.workspace * s * B
@@ -137,20 +146,23 @@ def _inference(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> dic
     return dict(grads=0.0, activations=0.0, transient=max(logits * m.V * (b + 4) * B, layer + ring + ulysses))
 
 
-def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, float]:
-    """Bytes alive at the step's peak: {grads, activations, transient, phase}."""
+def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+                host: bool = False) -> dict[str, float]:
+    """Bytes alive at the step's peak: {grads, activations, transient, phase}; ``host``: ranks on
+    CPUs (their kernels' workspace differs)."""
     if not f.training:
         return dict(_inference(m, f, b, s, c, U), phase="forward")
-    phases = step_phases(m, f, b, G, s, c, U, ring)
+    phases = step_phases(m, f, b, G, s, c, U, ring, host)
     name = max(phases, key=lambda p: sum(phases[p].values()))
     return dict(phases[name], phase=name)
 
 
-def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool) -> dict[str, float]:
+def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+             host: bool = False) -> dict[str, float]:
     """Every part in GiB at the step's peak (weights, optimizer state; the gradients, activations
     and workspace alive then), and ``total``."""
     st = states(m, f, b, G)
-    peak = activations(m, f, b, G, s, c, U, ring)
+    peak = activations(m, f, b, G, s, c, U, ring, host)
     parts = dict(weights=st["weights"], optimizer=st["optimizer"], grads=peak["grads"],
                  activations=peak["activations"], transient=peak["transient"])
     parts = {k: v / GB for k, v in parts.items()}

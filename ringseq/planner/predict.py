@@ -101,7 +101,7 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     step = max(compute, collective + optimizer)
     ideal = m.L * (dense + ring.ideal_s) + head + optimizer
     exposed = m.L * (ring.exposed_s + a2a) + max(0.0, collective + optimizer - compute)
-    mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, ring=R > 1)
+    mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, ring=R > 1, host=hw.name == "cpu")
     return ModeEstimate(name=mode_name(R, U), ring=R, ulysses=U, step_time_s=step, efficiency=ideal / step,
                         exposed_comm_s=exposed, memory_per_rank_gb=mem["total"],
                         memory_gb={k: v for k, v in mem.items() if k != "total"}, ring_crosses_nodes=crosses,

@@ -31,8 +31,8 @@ def test_attention_benchmark(tmp_path):
 
 def test_modes_benchmark(tmp_path):
     # pure Ulysses (--ulysses-sizes 4) is the same script with one more process tree; its attention is in tests/dist
-    records = bench("modes.py", "modes", "--modes-n", "512", "--kv-heads", "4", "--ulysses-sizes", "1", "2", "--reps", "1",
-                    out=tmp_path)
+    records = bench("modes.py", "modes", "--modes-n", "512", "--kv-heads", "4", "--ulysses-sizes", "1", "2",
+                    "--reps", "1", out=tmp_path)
     assert [(r["kv_heads"], r["ulysses_size"], r["ring_steps"]) for r in records] == [(4, 1, 4), (4, 2, 2)]
     assert records[1]["ratio_to_ring"] > 0
     assert all(r["max_err"] < SANE for r in records) and (tmp_path / "modes.png").exists()
