@@ -17,8 +17,8 @@ SFT = ["packing", "padded", "padding_free", "completion", "assistant", "dft", "p
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_DISABLE_TELEMETRY": "1"}
 
 
-def run(cmd, scenarios, nproc):
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+def run(cmd, scenarios, nproc, env=ENV):
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-5000:]
     for name in scenarios:
@@ -42,4 +42,5 @@ def test_sft_and_run_clm_metrics_under_accelerate(reference):
 def test_sft_and_run_clm_metrics_under_deepspeed_zero_2_and_3(reference):
     scenarios = ["packing@2", "peft@2", "padded@3", "completion@3", "clm@3"]  # NAME@STAGE, one process group
     run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(HERE / "client_step.py"), "ringseq",
-         "--reference", reference, *scenarios], scenarios, 2)
+         "--reference", reference, *scenarios], scenarios, 2,
+        env={**ENV, "OMP_NUM_THREADS": "1"})  # one thread per rank, as torchrun and accelerate launch give

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+# torchrun and accelerate launch give each rank one thread; deepspeed's launcher leaves torch's
+# default (every core), so its ranks would oversubscribe this machine's cores
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def ringseq_cmd(*args, cwd=ROOT, timeout=600):
@@ -73,7 +76,7 @@ def deepspeed_cases(nproc, *cases):
     port = free_port()
     run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(port),
                           "tests/integration/ds_step.py", *cases], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                         timeout=900, env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1"})
     out = run.stdout + run.stderr
     assert run.returncode == 0, out[-4000:]
     # DeepSpeed's CPU comm layer leaves a ~69 MB /dev/shm buffer per rank; ringseq removes the names

@@ -13,11 +13,14 @@ from ringseq.processes import free_port
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
 DEEPSPEED = str(Path(sys.executable).with_name("deepspeed"))
+# torchrun and accelerate launch give each rank one thread; deepspeed's launcher leaves torch's
+# default (every core), so its ranks would oversubscribe this machine's cores
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def launched(cmd, expect, count, env=None, cwd=ROOT, returncode=0):
     run = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=900,
-                         env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+                         env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1", **(env or {})})
     out = run.stdout + run.stderr
     assert run.returncode == returncode, out[-5000:]
     assert out.count(expect) == count, out[-5000:]
