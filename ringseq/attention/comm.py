@@ -32,8 +32,9 @@ class RingComm:
         self._buffers: dict[str, list] = {}
         """Receive buffers per kind of transfer, used in turn: two sets for K/V (the block received
         at step t is computed on, and sent on, at step t+1 while step t+1's block arrives in the
-        other set), one for gradient accumulators (a received one is added into this rank's own
-        before the next transfer of its kind is posted)."""
+        other set); for gradient accumulators as many as the ring asks (``post(sets=...)``: one
+        where a received pair is added into this rank's own before the next post, two where the
+        received pair itself is sent on)."""
 
     def fail(self) -> None:
         self.status.fill_(1)
