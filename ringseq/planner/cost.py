@@ -107,9 +107,11 @@ def dense_layer(m: ModelSpec, hw: Hardware, s: float, f: Features, slowdown: flo
 
 
 def head(m: ModelSpec, hw: Hardware, s: float, f: Features, slowdown: float = 1.0) -> float:
-    """Output projection and loss: 2 s d V FLOPs forward (x3 with backward; chunked, ringseq's
-    loss recomputes each slab's logits in backward: x4), logits through memory."""
-    flops = 2 * s * m.d * m.V * f.micro_batch * ((4 if f.chunked_loss else 3) if f.training else 1)
+    """Output projection and loss: 2 s d V FLOPs forward (x3 with backward; ringseq's chunked loss
+    forms a plain head's gradients in its forward, also x3; under ZeRO-3 its checkpointed slabs
+    recompute their logits in backward: x4), logits through memory."""
+    recompute = f.chunked_loss and f.zero_stage == 3
+    flops = 2 * s * m.d * m.V * f.micro_batch * ((4 if recompute else 3) if f.training else 1)
     logits = s * m.V * f.micro_batch * 4 * (4 if f.training else 1)
     return (flops / (hw.peak_tflops * 1e12 * hw.gemm_efficiency) + logits / (hw.hbm_gbps * 1e9)) * slowdown
 

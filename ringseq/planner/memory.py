@@ -114,14 +114,15 @@ def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: in
     rows = min(s, slab_tokens(m.V)) if f.chunked_loss else s
     # Full logits: log-softmax's backward, its saved output and the gradient in and out (fp32; +
     # the logits in b and their fp32 copy below 4 bytes). Chunked: a slab's gradient is formed over
-    # its fp32 logits in place (``ringseq.loss``), and the peak is the head's backward: that one
-    # slab, the slab's weight gradient and, with two slabs or more, the earlier slabs' sum.
+    # its fp32 logits in place (``ringseq.loss``) beside the head's weight gradient: one accumulator
+    # filled slab by slab in the loss's forward (a plain Linear head), or under ZeRO-3 (the
+    # checkpointed slabs) the slab's weight gradient and, from the second slab on, the earlier sum.
     upcast = 4 if b < 4 else 0
     if f.chunked_loss:
         loss = rows * m.V * (b + upcast) * B + head_grad
     else:
         loss = rows * m.V * (b + upcast + 8) * B
-    loss_grads = head_grad if f.chunked_loss and s > rows else 0.0
+    loss_grads = head_grad if f.chunked_loss and s > rows and f.zero_stage == 3 else 0.0
     rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B
     work = ly.workspace * s * B
     phases = dict(

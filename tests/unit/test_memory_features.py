@@ -1,6 +1,9 @@
 """The parts of the memory features that need no process group: the kept ring outputs' record and
 replay, the checkpoint wrapper, the loss slab size and its in-place gradient, and the tiled MLP's
 tile counts."""
+import types
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -107,6 +110,70 @@ def test_slab_loss_with_its_gradient_in_place_matches_float64(dtype, head_kind, 
         err, plain_err = ((t.double() - r).abs().max().item() for t in (g, b))
         floor = 2 * torch.finfo(dtype).eps * r.abs().max().item()
         assert err <= 2 * plain_err + floor, (name, err, plain_err)
+
+
+@pytest.mark.parametrize("dtype,autocast", [(torch.float32, False), (torch.bfloat16, False), (torch.float32, True)])
+def test_fused_linear_loss_matches_float64(monkeypatch, dtype, autocast):
+    """The chunked loss of a plain Linear head forms its gradients in forward: value and gradients
+    (hidden states, weight, bias) against float64, within 2x the full-logits loss's error in the
+    same dtype (under bf16 autocast too), with the incoming gradient 3 (the scale is applied in
+    backward); 600 tokens in slabs of 128 (the last partial), a seventh of the labels ignored; each
+    slab's logits are computed once (the checkpointed slabs compute them twice), and one slab's
+    at a time."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 2000).to(dtype)
+    h = torch.randn(600, 64, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, 2000, (600,))
+    y[::7] = loss.IGNORE
+    count = (y != loss.IGNORE).sum()
+    sp = types.SimpleNamespace(size=1)
+
+    def grads(value, m, x):
+        return [value.detach(), *torch.autograd.grad(3 * value, [x, *m.parameters()])]
+
+    def plain(m, x):
+        logits = m(x).float() if x.dtype != torch.float64 else m(x)
+        return F.cross_entropy(logits, y, ignore_index=loss.IGNORE, reduction="sum") / count
+
+    ref_head = torch.nn.Linear(64, 2000).double()
+    ref_head.load_state_dict({k: v.double() for k, v in head.state_dict().items()})
+    x64 = h.detach().double().requires_grad_(True)
+    ref = grads(plain(ref_head, x64), ref_head, x64)
+    calls = []
+    linear = F.linear
+
+    def counted(*args, **kwargs):  # and no earlier slab's logits alive when the next are computed
+        assert all(ref() is None for ref in calls), "two slabs of logits alive at once"
+        out = linear(*args, **kwargs)
+        calls.append(weakref.ref(out))
+        return out
+
+    monkeypatch.setattr(F, "linear", counted)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        base = grads(plain(head, h), head, h)
+        calls.clear()
+        got = grads(loss.chunked_cross_entropy(h, y, head, sp=sp, count=count, chunk=128), head, h)
+    assert len(calls) == 5
+    for name, g, b, r in zip(["value", "hidden", "weight", "bias"], got, base, ref):
+        assert g.dtype == b.dtype, name
+        err, plain_err = ((t.double() - r).abs().max().item() for t in (g, b))
+        floor = 2 * torch.finfo(b.dtype).eps * r.abs().max().item()
+        assert err <= 2 * plain_err + floor, (name, err, plain_err)
+
+
+def test_fused_linear_loss_only_for_plain_heads_and_backpropagates_once():
+    head = torch.nn.Linear(8, 50)
+    assert loss._fusable(head, None)
+    assert not loss._fusable(head, 30.0) and not loss._fusable(_Scaled(head), None)
+    handle = head.register_forward_pre_hook(lambda m, a: None)  # as ZeRO-3 gathers a weight
+    assert not loss._fusable(head, None)
+    handle.remove()
+    h = torch.randn(10, 8, requires_grad=True)
+    value = loss.chunked_cross_entropy(h, torch.randint(0, 50, (10,)), head, sp=types.SimpleNamespace(size=1),
+                                       count=10, chunk=4)
+    value.backward(retain_graph=True)
+    with pytest.raises(ringseq.RingSeqError, match="ran twice"):
+        value.backward()
 
 
 def test_tile_counts():
