@@ -29,8 +29,10 @@ allocates buffers on its first step). A watchdog ends a probe whose step passes 
 bisects on a ``--grain`` grid (each guess where the line through the last two probes meets the
 budget, kept strictly inside the bracket), so the reported N fits and N + grain does not; at most
 ``--max-n`` is probed (a step there takes minutes on this machine), and a system that fits it is
-reported as capped. ``--common N`` times one step at N for each P=2 system (tokens/s, after a
-warm-up step). Prints JSON lines, writes ``longest.jsonl`` and ``longest.png`` to ``--out``.
+reported as capped. ``--common N`` times training steps at N for each P=2 system: ``--rounds``
+fresh process trees per system, interleaved across the systems, ``--steps`` steps each after a
+warm-up; tokens/s from the median step. Prints JSON lines, writes ``longest.jsonl`` and
+``longest.png`` (when there are searches) to ``--out``.
 Usage::
 
     python benchmarks/longest.py                       # the whole comparison (about 40 min here)
@@ -43,6 +45,7 @@ import json
 import glob
 import math
 import os
+import statistics
 import sys
 import threading
 import time
@@ -303,18 +306,35 @@ def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, gra
     return dict(kind="longest", system=name, P=P, longest_N=lo, first_over=hi, budget_mb=budget_mb, capped=False)
 
 
-def timing(kind: str, P: int, features: tuple, N: int) -> dict:
+def timing(kind: str, P: int, features: tuple, N: int, steps: int) -> list[float]:
+    """The slowest rank's seconds of each of ``steps`` training steps at N, after a warm-up step."""
     system = KINDS[kind](P, features)
     times = []
-    for _ in range(2):  # the first is a warm-up
+    for _ in range(steps + 1):
         dist.barrier()
         start = time.perf_counter()
         system.forward_backward(N)
         system.optimizer_step()
         times.append(common.slowest(time.perf_counter() - start))
-    seconds = times[-1]
-    return dict(kind="tokens_per_s", system=f"{kind}:{P}:{','.join(features)}", P=P, N=N, seconds=round(seconds, 2),
-                tokens_per_s=round(N / seconds, 1))
+    return times[1:]
+
+
+def speeds(texts: list[str], N: int, rounds: int, steps: int) -> list[dict]:
+    """tokens/s of each system at N: ``rounds`` fresh process trees per system, interleaved across
+    the systems (the machine's load drifts), ``steps`` timed steps each; the median step."""
+    samples = {text: [] for text in texts}
+    for _ in range(rounds):
+        for text in texts:
+            kind, P, features = parse_system(text)
+            samples[text] += tree(timing, P, kind, P, features, N, steps)
+    records = []
+    for text, seconds in samples.items():
+        kind, P, features = parse_system(text)
+        median = statistics.median(seconds)
+        records.append(dict(kind="tokens_per_s", system=f"{kind}:{P}:{','.join(features)}", P=P, N=N,
+                            seconds=round(median, 2), tokens_per_s=round(N / median, 1),
+                            samples_s=[round(x, 2) for x in seconds]))
+    return records
 
 
 # ---- the driver ----------------------------------------------------------------------------------
@@ -406,7 +426,8 @@ def plot(records, path):
     best = [r for r in records if r["kind"] == "longest"]
     probes = [r for r in records if r["kind"] == "probe" and r.get("step_mb")]
     sizes = sorted({r["P"] for r in probes})
-    fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(5 + 4.5 * len(sizes), 4.5))
+    fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(5 + 4.5 * len(sizes), 4.5), squeeze=False)
+    axes = axes[0]
     ax = axes[0]
     ax.barh([r["system"] for r in best], [r["longest_N"] for r in best], color="tab:blue")
     for i, r in enumerate(best):
@@ -437,6 +458,8 @@ def main(argv=None):
     parser.add_argument("--max-n", type=int, default=24576, help="the longest N probed (a step there takes minutes)")
     parser.add_argument("--common", type=int, default=4096, help="N of the tokens/s comparison (0: none)")
     parser.add_argument("--model", choices=sorted(MODELS), default="bench")
+    parser.add_argument("--rounds", type=int, default=3, help="tokens/s: fresh process trees per system, interleaved")
+    parser.add_argument("--steps", type=int, default=2, help="tokens/s: timed steps per tree, after a warm-up step")
     parser.add_argument("--only-timing", action="store_true", help="skip the searches: tokens/s at --common only")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
@@ -448,13 +471,16 @@ def main(argv=None):
     for r in records:
         common.emit(r, path)
     if args.common:
-        for text in args.systems:
-            kind, P, features = parse_system(text)
-            if P == 2:
-                common.emit(tree(timing, P, kind, P, features, args.common), path)
+        pairs = [text for text in args.systems if parse_system(text)[1] == 2]
+        for r in speeds(pairs, args.common, args.rounds, args.steps):
+            common.emit(r, path)
     with open(path) as f:
-        plot([json.loads(line) for line in f], os.path.join(args.out, "longest.png"))
-    print(f"wrote {path} and longest.png", file=sys.stderr)
+        records = [json.loads(line) for line in f]
+    wrote = [path]
+    if any(r["kind"] in ("longest", "probe") for r in records):
+        plot(records, os.path.join(args.out, "longest.png"))
+        wrote.append("longest.png")
+    print(f"wrote {' and '.join(wrote)}", file=sys.stderr)
 
 
 if __name__ == "__main__":
