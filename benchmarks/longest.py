@@ -35,7 +35,7 @@ warm-up; tokens/s from the median step. Prints JSON lines, writes ``longest.json
 ``longest.png`` (when there are searches) to ``--out``.
 Usage::
 
-    python benchmarks/longest.py                       # the whole comparison (about 40 min here)
+    python benchmarks/longest.py                       # the whole comparison (about 75 min here)
     python benchmarks/longest.py --systems ringseq:2:loss,ckpt,tiled alst:2 --budget-mb 448
 """
 from __future__ import annotations
