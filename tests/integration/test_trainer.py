@@ -66,8 +66,10 @@ def test_trainer_under_accelerate_launch_with_the_shipped_config():
               "--main_process_port", str(free_port()), str(HERE / "trainer_step.py")], "eval loss", 2)
 
 
-# ZeRO-2 through Accelerate takes the same route into ringseq.initialize as ZeRO-3
-@pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "3"], 4)])
+# ZeRO-2 through Accelerate takes the same route into ringseq.initialize as ZeRO-3. ZeRO-3 at 2
+# processes (one sequence group): DeepSpeed's data-parallel reductions beside sequence groups are
+# stepped at 4 processes in test_launch.py's ds_step cases, the Trainer's at 4 under DDP above.
+@pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "3"], 2)])
 def test_accelerate_step_equals_single_process(flags, nproc):
     launched(accelerate(nproc, HERE / "accelerate_step.py", *flags), "parameters match", nproc,
              env={"RINGSEQ_SP_SIZE": "2"}, cwd=HERE)
