@@ -192,11 +192,11 @@ def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head
     flat_h, flat_y = hidden.flatten(0, -2), shift_labels.flatten().to(hidden.device)
     if _fusable(head, final_softcap) and torch.is_grad_enabled():
         local = _FusedLinearLoss.apply(flat_h, flat_y, head.weight, head.bias, chunk)
-        return _global_loss(local, count, sp, torch.promote_types(hidden.dtype, torch.float32))
-    local = hidden.new_zeros((), dtype=torch.float64)
-    # Every slab joins the graph, even one whose labels are all ignored: each rank's backward
-    # must reach every attention layer, whose ring backward is a collective.
-    for a in range(0, flat_h.size(0), chunk):
-        local = local + checkpoint(_slab_loss, flat_h[a:a + chunk], flat_y[a:a + chunk], head, final_softcap,
-                                   use_reentrant=False)
+    else:
+        local = hidden.new_zeros((), dtype=torch.float64)
+        # Every slab joins the graph, even one whose labels are all ignored: each rank's backward
+        # must reach every attention layer, whose ring backward is a collective.
+        for a in range(0, flat_h.size(0), chunk):
+            local = local + checkpoint(_slab_loss, flat_h[a:a + chunk], flat_y[a:a + chunk], head, final_softcap,
+                                       use_reentrant=False)
     return _global_loss(local, count, sp, torch.promote_types(hidden.dtype, torch.float32))
