@@ -15,13 +15,11 @@ import os
 import resource
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from ringseq.processes import free_port
+from ringseq import processes, reference
 
 BLOCK = 256  # inputs are generated in blocks of this many tokens, each from its own seed
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -36,41 +34,10 @@ def fresh_file(out_dir: str, name: str) -> str:
     return path
 
 
-def _entry(rank, world, port, threads, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(threads)
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, None, fn(*args)))
-        dist.destroy_process_group()
-    except BaseException:  # noqa: BLE001 - reported by the parent
-        results.put((rank, traceback.format_exc(), None))
-
-
 def run_tree(fn, nprocs: int, threads: int, *args, timeout: float = 3600.0):
     """Run ``fn(*args)`` in ``nprocs`` fresh processes of ``threads`` threads each; return
-    rank 0's result (every rank's failure is raised)."""
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, nprocs, port, threads, fn, args, results))
-             for r in range(nprocs)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        for _ in range(nprocs):
-            rank, err, value = results.get(timeout=timeout)
-            if err:
-                raise RuntimeError(f"rank {rank} failed:\n{err}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    return got[0]
+    rank 0's result (every rank's failure is raised): ``ringseq.processes.run_tree``."""
+    return processes.run_tree(fn, nprocs, *args, threads=threads, timeout=timeout)
 
 
 MMAP_THRESHOLD = "65536"
@@ -165,15 +132,9 @@ def tokens(positions: torch.Tensor, B: int, heads: int, D: int, seed: int) -> to
 
 def exact_rows(q_rows, q_pos, k, v, scale: float, window: int | None = None) -> torch.Tensor:
     """float64 causal (optionally sliding-window) attention of a few query rows (at global
-    positions ``q_pos``) over full k/v; the independent reference for ``max_err``."""
-    H, K = q_rows.size(1), k.size(1)
-    kk = k.double().repeat_interleave(H // K, 1)
-    vv = v.double().repeat_interleave(H // K, 1)
-    s = q_rows.double() @ kk.transpose(-1, -2) * scale
-    j, i = torch.arange(k.size(2))[None, :], q_pos[:, None]
-    hidden = j > i if window is None else (j > i) | (i - j >= window)
-    s = s.masked_fill(hidden, float("-inf"))
-    return torch.softmax(s, -1) @ vv
+    positions ``q_pos``) over full k/v, by ``ringseq.reference``: the reference for ``max_err``."""
+    return reference.attention(q_rows.double(), k.double(), v.double(), causal=True, scale=scale, window=window,
+                               query_positions=q_pos)
 
 
 def emit(record: dict, path: str | None) -> None:

@@ -42,55 +42,30 @@ from __future__ import annotations
 
 import argparse
 import json
-import glob
-import math
 import os
 import statistics
 import sys
 import threading
 import time
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
-from ringseq.loss import slab_tokens  # noqa: E402
+from contenders import KINDS, MODELS  # noqa: E402
 
-MODELS = {"bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
-                        num_attention_heads=8, num_key_value_heads=4),
-          "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4)}  # for the suite: the machinery, not figures
-MODEL = dict(MODELS[os.environ.get("RINGSEQ_LONGEST_MODEL", "bench")], max_position_embeddings=1 << 20,
-             use_cache=False)
-DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-             "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
+from ringseq import processes  # noqa: E402
+
 SYSTEMS = ["unpatched:1", "alst:2", "alst:4", "ringseq:2:", "ringseq:2:loss", "ringseq:2:loss,ckpt",
            "ringseq:2:loss,ckpt,tiled", "ringseq:4:", "ringseq:4:loss,ckpt,tiled", "ringseq:2:loss,replay,tiled"]
 OVERSHOOT = 2.0  # the watchdog ends a probe whose step passes this many budgets (protects the machine)
 
 
-def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(**MODEL)
-    config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
-
-
-def batch(N: int) -> dict:
-    ids = torch.randint(0, MODEL["vocab_size"], (1, N), generator=torch.Generator().manual_seed(N))
-    return {"input_ids": ids, "labels": ids.clone(), "position_ids": torch.arange(N)[None]}
-
-
 # ---- memory -------------------------------------------------------------------------------------
 
 class Watchdog(threading.Thread):
-    """Ends the process (exit code 3) when its resident set passes ``limit_mb``, telling the
-    driver at which N (through ``Watchdog.results``, the tree's queue)."""
-
-    results = None
+    """Ends the process tree when this rank's resident set passes ``limit_mb``, telling the driver
+    at which N (``ringseq.processes.end_tree_early``)."""
 
     def __init__(self, budget_mb: float):
         super().__init__(daemon=True)
@@ -104,131 +79,8 @@ class Watchdog(threading.Thread):
         while True:
             N, limit = self.N, self.limit_mb
             if N is not None and common.rss_mb() > limit:
-                self.results.put((dist.get_rank(), "killed", N))
-                self.results.close()
-                self.results.join_thread()
-                os._exit(3)
+                processes.end_tree_early(N)
             time.sleep(0.01)
-
-
-# ---- the systems ---------------------------------------------------------------------------------
-
-class Unpatched:
-    def __init__(self, P, features):
-        self.model = llama()
-        self.model.train()
-        self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
-
-    def forward_backward(self, N):
-        b = batch(N)
-        loss = self.model(input_ids=b["input_ids"], labels=b["labels"]).loss
-        loss.backward()
-        return loss.item()
-
-    def optimizer_step(self):
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-
-
-class Ringseq:
-    def __init__(self, P, features):
-        import ringseq
-
-        sp = ringseq.init(sp_size=P)
-        model = llama()
-        if "ckpt" in features or "replay" in features:
-            kwargs = {"offload": True} if "offload" in features else {}
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
-        model.train()
-        ringseq.patch(model, sp=sp, chunked_loss="loss" in features, tiled_mlp=True if "tiled" in features else None,
-                      keep_ring_outputs="replay" not in features)
-        self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=DS_CONFIG,
-                                             optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
-
-    def forward_backward(self, N):
-        b = batch(N)
-        loss = self.engine(input_ids=b["input_ids"], labels=b["labels"]).loss
-        self.engine.backward(loss)
-        return loss.item()
-
-    def optimizer_step(self):
-        self.engine.step()
-
-
-class Alst:
-    """DeepSpeed ALST as its HF integration and ArcticTraining use it."""
-
-    def __init__(self, P, features):
-        import deepspeed
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
-
-        deepspeed.init_distributed(dist_backend="gloo")
-        model = llama()
-        self.mpu = UlyssesSPAttentionHF.register_with_transformers(
-            model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=P, micro_batch_size=1,
-            seq_length_is_variable=True)
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.train()
-        for layer in model.model.layers:
-            layer.mlp.forward = _alst_tiled_mlp(layer.mlp)
-        self.engine, *_ = deepspeed.initialize(model=model, config=DS_CONFIG, mpu=self.mpu,
-                                               optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
-        self.P = P
-
-    def _shard(self, N):
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPDataLoaderAdapter
-
-        loader = torch.utils.data.DataLoader([{k: v[0] for k, v in batch(N).items()}], batch_size=1)
-        group = self.mpu.get_sequence_parallel_group()
-        adapter = UlyssesSPDataLoaderAdapter(loader, sp_rank=dist.get_rank(group), sp_group=group,
-                                             sp_world_size=self.P, device=torch.device("cpu"))
-        return next(iter(adapter))  # every rank holds the same sample: the first micro-batch is it
-
-    def optimizer_step(self):
-        self.engine.step()
-
-    def forward_backward(self, N):
-        from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledFusedLogitsLoss
-
-        b = self._shard(N)
-        model = self.engine.module
-        hidden = model.model(input_ids=b["input_ids"], position_ids=b["position_ids"]).last_hidden_state
-        labels = b["shift_labels"]
-        vocab = MODEL["vocab_size"]
-
-        def loss_sum(m, h, y):
-            return torch.nn.functional.cross_entropy(m.lm_head(h).view(-1, vocab).float(), y.view(-1),
-                                                     ignore_index=-100, reduction="sum")
-
-        # ArcticTraining sizes tiles at about 1 GiB of logits, which on this budget would be most of it: here
-        # its tiles hold as many tokens as ringseq's loss slabs (its best setting at this size, and like with like)
-        shards = max(1, math.ceil(labels.numel() / slab_tokens(vocab)))
-        local = TiledFusedLogitsLoss.apply(loss_sum, model, hidden, labels, None, shards, [model.lm_head.weight],
-                                           "sum")
-        group = self.mpu.get_sequence_parallel_group()
-        count = (labels != -100).sum().float()
-        total = count.clone()
-        dist.all_reduce(total, group=group)
-        sums = torch.distributed.nn.functional.all_gather(local, group=group)  # differentiable, as ArcticTraining
-        loss = torch.stack(sums).sum() / total
-        self.engine.backward(loss)
-        return loss.item()
-
-
-def _alst_tiled_mlp(mlp):
-    """ALST's tiled MLP forward (its docstring's example): one tile per hidden_size tokens."""
-    from deepspeed.runtime.sequence_parallel.ulysses_sp import TiledMLP
-
-    cls_forward = type(mlp).forward
-
-    def forward(x):
-        shards = max(1, math.ceil(x.size(-2) / x.size(-1)))
-        return TiledMLP.apply(lambda m, t: cls_forward(m, t), mlp, x, shards, list(mlp.parameters()))
-
-    return forward
-
-
-KINDS = {"unpatched": Unpatched, "ringseq": Ringseq, "alst": Alst}
 
 
 # ---- one process tree: the search, or a timing ---------------------------------------------------
@@ -339,55 +191,15 @@ def speeds(texts: list[str], N: int, rounds: int, steps: int) -> list[dict]:
 
 # ---- the driver ----------------------------------------------------------------------------------
 
-def _entry(rank, world, port, threads, fn, args, results):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(threads)
-    Watchdog.results = results
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-        results.put((rank, None, fn(*args)))
-        dist.destroy_process_group()
-    except BaseException as exc:  # noqa: BLE001 - reported by the parent
-        results.put((rank, f"{type(exc).__name__}: {exc}", None))
-
-
 def tree(fn, P: int, *args):
-    """Run ``fn(*args)`` on P fresh ranks; rank 0's result, or ("killed", N) when the watchdog
-    ended a probe at N (the other ranks are then stopped)."""
-    import multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), common.free_port()
+    """Run ``fn(*args)`` on P fresh ranks (``ringseq.processes.run_tree``); rank 0's result, or
+    ("killed", N) when the watchdog ended a probe at N (the other ranks are then stopped)."""
     # inherited: freed tensors leave the resident set
     os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", common.MMAP_THRESHOLD)
-    threads = max(1, (os.cpu_count() or 1) // P)
-    procs = [ctx.Process(target=_entry, args=(r, P, port, threads, fn, args, results)) for r in range(P)]
-    for p in procs:
-        p.start()
-    got = {}
-    try:
-        while len(got) < P:
-            try:
-                rank, err, value = results.get(timeout=5)
-            except Exception:  # noqa: BLE001 - queue.Empty: check that every rank is still alive
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead:
-                    raise RuntimeError(f"a rank exited with code {dead[0]} without a result") from None
-                continue
-            if err == "killed":
-                return ("killed", value)
-            if err:
-                raise RuntimeError(f"rank {rank} failed: {err}")
-            got[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=5 if got else 0.1)
-            if p.is_alive():
-                p.kill()
-        for name in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):  # DeepSpeed's CPU comm buffers
-            os.remove(name)
-    return got[0]
+    got = processes.run_tree(fn, P, *args, threads=max(1, (os.cpu_count() or 1) // P))
+    if isinstance(got, tuple) and got and got[0] == "early":
+        return ("killed", got[1])
+    return got
 
 
 def parse_system(text: str) -> tuple[str, int, tuple]:
@@ -463,7 +275,7 @@ def main(argv=None):
     parser.add_argument("--only-timing", action="store_true", help="skip the searches: tokens/s at --common only")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
-    os.environ["RINGSEQ_LONGEST_MODEL"] = args.model  # the process trees read it when they import this file
+    os.environ["RINGSEQ_LONGEST_MODEL"] = args.model  # the process trees read it when they import contenders.py
     path = common.fresh_file(args.out, "longest.jsonl")
     budget = args.budget_mb
     records = [] if args.only_timing else [longest(text, budget, args.start, args.grain, args.max_n, path)

@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
+import contenders  # noqa: E402
 import longest  # noqa: E402
 import model_memory  # noqa: E402
 
@@ -99,7 +100,7 @@ def longest_inputs(system: str, N: int) -> dict | None:
     kind, P, features = longest.parse_system(system)
     if kind == "alst" or "replay" in features:
         return None
-    model = longest.MODELS["bench"]
+    model = contenders.MODELS["bench"]
     tiles = tiles_for(True, N // P, model["hidden_size"]) if "tiled" in features else 1
     return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
                 zero_stage=0 if kind == "unpatched" else 1,

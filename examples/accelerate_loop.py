@@ -5,7 +5,7 @@
     ringseq launch --launcher accelerate --sp 2 --nproc 2 examples/accelerate_loop.py
 
 (``--multi_gpu`` also starts processes on a machine without GPUs.) The two ringseq lines:
-``ringseq.config.from_env().init()`` reads RINGSEQ_* and joins (on CPU: creates, with gloo) the
+``ringseq.init(config=ringseq.config.from_env())`` reads RINGSEQ_* and joins (on CPU: creates, with gloo) the
 process group; ``ringseq.prepare_accelerator(sp=sp)`` makes the Accelerator on that group (on
 CPU Accelerate would otherwise see one process per rank, with or without DeepSpeed) and makes
 its ``prepare`` shard data over replicas and sum gradients over the sequence group. An
@@ -29,7 +29,7 @@ def long_documents(n: int, seq_len: int, vocab: int) -> list[dict]:
 
 
 def main(steps: int = 4, seq_len: int = 1024) -> None:
-    sp = ringseq.config.from_env().init()  # first: the process group, RINGSEQ_SP_SIZE (default: all ranks)
+    sp = ringseq.init(config=ringseq.config.from_env())  # first: the process group, RINGSEQ_SP_SIZE (default: all ranks)
     accelerator = ringseq.prepare_accelerator(sp=sp)  # an Accelerator on ringseq's process group
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

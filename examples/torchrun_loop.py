@@ -18,7 +18,7 @@ import ringseq
 
 
 def main(steps: int = 5, seq_len: int = 1024) -> None:
-    sp = ringseq.config.from_env().init()  # RINGSEQ_SP_SIZE etc.; unset: one sequence over all ranks
+    sp = ringseq.init(config=ringseq.config.from_env())  # RINGSEQ_SP_SIZE etc.; unset: one sequence over all ranks
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)

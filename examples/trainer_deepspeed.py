@@ -49,7 +49,7 @@ def main():
     with open(args.ds_config) as f:
         ds = json.load(f)
     section, _ = ringseq.config.from_ds_config(ds)
-    sp = (section or ringseq.config.from_env()).init()  # first: the process group (gloo on CPU)
+    sp = ringseq.init(config=section or ringseq.config.from_env())  # first: the process group (gloo on CPU)
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

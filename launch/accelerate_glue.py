@@ -29,6 +29,7 @@ import types
 import torch
 import torch.distributed as dist
 
+from ringseq import versions
 from ringseq.errors import RingSeqError
 
 
@@ -122,6 +123,8 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
     sequence/context/tensor parallelism is configured too, or when Accelerate missed the
     process group.
     """
+    versions.require("accelerate", "ringseq.prepare_accelerator (it overrides Accelerator._prepare_deepspeed, "
+                                   "prepare_data_loader and PartialState's shared state)")
     from accelerate import Accelerator
     from accelerate.data_loader import prepare_data_loader
     from accelerate.utils import DistributedType

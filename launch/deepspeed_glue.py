@@ -22,8 +22,10 @@ import json
 
 import torch
 
+from ringseq import versions
 from ringseq.config import from_ds_config
 from ringseq.errors import RingSeqError
+from ringseq.topology import resolve
 
 
 def join_deepspeed_comm() -> None:
@@ -108,7 +110,8 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
     """``deepspeed.initialize(model=..., config=..., ...)`` plus sequence parallelism.
 
     ``sp`` is a ``SequenceParallel`` from ``ringseq.init``; when omitted it is built from the
-    ds_config's ``"ringseq"`` section (``{"sp_size": 2, "ulysses_size": 1, "layout": "zigzag"}``).
+    ds_config's ``"ringseq"`` section (``{"sp_size": 2, "ulysses_size": 1, "layout": "zigzag"}``),
+    else from ``RINGSEQ_*`` (default: one sequence over all ranks), as ``ringseq.Trainer`` does.
     The model is patched (``ringseq.patch``) if it is not yet. Returns DeepSpeed's
     ``(engine, optimizer, dataloader, lr_scheduler)``.
     """
@@ -121,6 +124,8 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
 def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs):
     """``initialize`` calling ``ds_initialize`` (``deepspeed.initialize``, or the original of it
     while Accelerate's call is routed here by ``ringseq.launch.accelerate_glue``)."""
+    versions.require("deepspeed", "ringseq.initialize (its ZeRO-3 partitioning and reductions are corrected for "
+                                  "the release measured)")
     import deepspeed
 
     from ringseq import patch
@@ -131,12 +136,7 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
         deepspeed.init_distributed(dist_backend=None)
     join_deepspeed_comm()
     section, ds_config = from_ds_config(load_ds_config(config))
-    if sp is None and section is None:
-        raise RingSeqError('ringseq.initialize needs sp= or a "ringseq" section in the ds_config')
-    if sp is None:
-        sp = section.init()
-    elif section is not None:
-        section.check_matches(sp)
+    sp = resolve(sp, section)
     if kwargs.get("mpu") is not None:
         raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu= (nor Accelerate's sp_size)")
     kwargs.pop("mpu", None)

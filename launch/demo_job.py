@@ -68,11 +68,11 @@ def accuracy(model, sp, batch: dict, position_ids=None) -> float:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--out", default="ringseq-demo")
+    parser.add_argument("--steps", type=int, default=120, help="training steps of each model (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default: %(default)s)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per step (default: %(default)s)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: %(default)s)")
+    parser.add_argument("--out", default="ringseq-demo", help="folder for ring.json (default: %(default)s)")
     args = parser.parse_args(argv)
 
     import torch.distributed as dist
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
     import ringseq
 
     torch.set_num_threads(1)
-    sp = ringseq.config.from_env().init()
+    sp = ringseq.init(config=ringseq.config.from_env())
     rank0 = dist.get_rank() == 0
     models = {"ring": ringseq.patch(tiny_llama(), sp=sp), "cut": ringseq.patch(tiny_llama(), sp=sp)}
     positions = {"ring": None, "cut": halves(args.seq_len)}
@@ -109,7 +109,8 @@ def main(argv=None) -> None:
             optimizers[name].step()
             log["losses"][name].append(loss.item())
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.steps:
-            # who the ring waited for since the last evaluation (rank 0 also runs the unpatched twin)
+            # who the ring waited for since the last evaluation (rank 0 also runs the unpatched twin):
+            # the bar's waited_for
             report = ringseq.stats(sp=sp, reset=True)
             log.setdefault("stats", []).append(report)
             log["eval_steps"].append(step + 1)
@@ -117,7 +118,7 @@ def main(argv=None) -> None:
                 log["accuracy"][name].append(accuracy(model, sp, evaluation, positions[name]))
         bar.set_postfix(ring=f"{log['losses']['ring'][-1]:.3f}", cut=f"{log['losses']['cut'][-1]:.3f}",
                         acc=f"{log['accuracy']['ring'][-1]:.0%}" if log["eval_steps"] else "-",
-                        slowest=f"r{log['stats'][-1]['slowest_rank']}" if log.get("stats") else "-")
+                        waited_for=f"rank{log['stats'][-1]['slowest_rank']}" if log.get("stats") else "-")
     seconds = time.perf_counter() - start - twin_seconds
 
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])

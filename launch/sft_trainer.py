@@ -17,25 +17,13 @@ metrics are logged), the MoE router auxiliary loss, Liger kernels, vision datase
 """
 from __future__ import annotations
 
-import importlib.metadata
-
-from packaging.version import Version
-
+from ringseq import versions
 from ringseq.errors import RingSeqError
 
 from .trainer import SequenceParallelMixin, check_arguments, resolve_sp
 
-TRL_RANGE = (Version("1.16.0"), Version("2.0.0"))  # the fused LM head: TRL 1.15 has it for Triton devices only
-
-
 def _import_trl():
-    try:
-        version = Version(importlib.metadata.version("trl"))
-    except importlib.metadata.PackageNotFoundError:
-        raise RingSeqError('ringseq.SFTTrainer needs TRL: pip install "ringseq[trl]"') from None
-    if not TRL_RANGE[0] <= version < TRL_RANGE[1]:
-        raise RingSeqError(f"ringseq.SFTTrainer supports TRL >= {TRL_RANGE[0]}, < {TRL_RANGE[1]} (found {version}): "
-                           f'pip install "ringseq[trl]"')
+    versions.require("trl", "ringseq.SFTTrainer (it answers TRL's fused LM head)")
     import trl
 
     return trl
@@ -64,7 +52,7 @@ class SFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
 
     def __init__(self, model=None, args=None, *rest, sp=None, **kwargs):
         from ringseq import patch, unpatch
-        from ringseq.patches.patch import options
+        from ringseq.patches.lifecycle import options
 
         self.sp = resolve_sp(sp, args)  # first: TrainingArguments must find the process group
         if args is not None:

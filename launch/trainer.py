@@ -31,10 +31,11 @@ import math
 
 import transformers
 
-from ringseq.config import from_ds_config, from_env
+from ringseq.config import from_ds_config
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 from ringseq.stats import stats
+from ringseq.topology import resolve
 
 from .accelerate_glue import prepare_accelerator
 from .deepspeed_glue import load_ds_config
@@ -47,12 +48,7 @@ def _ds_section(args):
 
 def resolve_sp(sp, args):
     """``sp`` as given (checked against a ds_config section), else the section, else RINGSEQ_*."""
-    section = _ds_section(args)
-    if sp is None:
-        return (section or from_env()).init()
-    if section is not None:
-        section.check_matches(sp)
-    return sp
+    return resolve(sp, _ds_section(args))
 
 
 def check_arguments(args, kwargs: dict) -> None:
@@ -150,7 +146,7 @@ class Trainer(SequenceParallelMixin, transformers.Trainer):
         # applied inside the patched forward, slab by slab; the stock loop must not apply it again
         self._logits_fn = kwargs.pop("preprocess_logits_for_metrics", None)
         from ringseq import patch
-        from ringseq.patches.patch import options
+        from ringseq.patches.lifecycle import options
 
         if model is not None:
             patch(model, sp=self.sp, **options(model))  # a model the user patched keeps its options

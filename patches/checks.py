@@ -10,14 +10,10 @@ import re
 
 import torch
 import transformers
-from packaging.version import Version
 
+from ringseq import versions
 from ringseq.errors import RingSeqError
 
-# The transformers releases whose AttentionInterface / AttentionMaskInterface, mask-creation
-# keywords and decoder signatures ringseq reads; CI runs the HF tests on the oldest and newest.
-TRANSFORMERS_RANGE = (Version("5.0.0"), Version("6.0.0"))
-PEFT_RANGE = (Version("0.18.0"), Version("1.0.0"))  # PEFT before 0.18 does not import under transformers 5
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss")
 LAYER_TYPES = {"full_attention", "sliding_attention"}
 # rope variants that size their frequencies from the largest position id the layer sees:
@@ -54,17 +50,10 @@ def problems(model) -> list[str]:
     """Everything about ``model`` that ringseq cannot compute exactly (empty: patchable)."""
     config = model.config
     found = []
-    low, high = TRANSFORMERS_RANGE
-    if not low <= Version(transformers.__version__) < high:
-        found.append(f"transformers {transformers.__version__} is outside the range ringseq supports "
-                     f"(>= {low}, < {high}): pip install 'transformers>={low},<{high}'")
+    # CI runs the HF tests on the oldest and the newest transformers of the range
+    found += [p for p in (versions.problem("transformers", transformers.__version__),) if p]
     if type(model).__module__.startswith("peft"):
-        import peft
-
-        low, high = PEFT_RANGE
-        if not low <= Version(peft.__version__) < high:
-            found.append(f"PEFT {peft.__version__} is outside the range ringseq supports (>= {low}, < {high}): "
-                         f"pip install 'peft>={low},<{high}'")
+        found += [p for p in (versions.problem("peft"),) if p]
     if getattr(config, "is_encoder_decoder", False):
         found.append("encoder-decoder models (only decoder-only causal LMs are supported)")
     if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):

@@ -18,7 +18,6 @@ import torch
 
 from ringseq.errors import RingSeqError
 from ringseq.loss import IGNORE
-from ringseq.sharding import gather
 
 FIELDS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for
 VOCAB_TILE = 32768  # vocabulary columns per tile of TRL's kernel (TRL's own default)
@@ -32,21 +31,20 @@ def _check_head(config) -> None:
                            f"train this model with ringseq.Trainer, whose loss reads the model's own logits")
 
 
-def _global(local: torch.Tensor, sp, pad: int, drop_last: bool) -> torch.Tensor:
-    """[B, s] per-token field of this rank -> [B, S] in global order (padding cut; S - 1 tokens
-    when the labels were unshifted, as TRL returns them)."""
-    full = gather(local, 1, sp=sp)
-    S = full.size(1) - pad
-    return full[:, : S - 1 if drop_last else S]
+def _global(local: torch.Tensor, batch, drop_last: bool) -> torch.Tensor:
+    """[B, s] per-token field of this rank -> [B, S] in global order (S - 1 tokens when the
+    labels were unshifted, as TRL returns them)."""
+    full = batch.gather(local)
+    return full[:, : full.size(1) - 1] if drop_last else full
 
 
-def fused_outputs(model, sp, hidden: torch.Tensor, targets: torch.Tensor, pad: int, *, drop_last: bool,
-                  num_items_in_batch=None):
+def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_items_in_batch=None):
     """TRL's ``FusedCausalLMOutput`` of the whole sequence from this rank's final hidden states
-    [B, s, d] and shifted targets [B, s]."""
+    [B, s, d] and the batch's shifted targets (``ShardedBatch.labels``)."""
     from trl.kernels import ChunkedLogProbFunction
     from trl.trainer.utils import FusedCausalLMOutput, maybe_gather_lm_head_ctx
 
+    targets = batch.labels
     if targets is None:
         raise RingSeqError("fused_lm_head=True needs labels (or shift_labels)")
     config = model.config.get_text_config()
@@ -60,8 +58,9 @@ def fused_outputs(model, sp, hidden: torch.Tensor, targets: torch.Tensor, pad: i
             getattr(config, "final_logit_softcapping", None), 1.0, FIELDS)
     log_probs, entropy = (x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy))
     is_top1 = is_top1.view(mask.shape) & mask
-    log_probs, entropy = (_global(x, sp, pad, drop_last) for x in (log_probs, entropy))
-    is_top1, label_mask = (_global(x.to(torch.uint8), sp, pad, drop_last).bool() for x in (is_top1, mask))
-    count = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    log_probs, entropy = (_global(x, batch, drop_last) for x in (log_probs, entropy))
+    is_top1, label_mask = (_global(x.to(torch.uint8), batch, drop_last).bool() for x in (is_top1, mask))
+    # TRL's own fused head divides by at least one token
+    count = batch.count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
                                label_mask=label_mask)

@@ -2,7 +2,8 @@
 
 Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, ``shard``,
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
-``config``, ``stats`` (straggler report), ``plan`` (cost model), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
+``config``, ``stats`` (straggler report), ``resync`` (back in step after an error in a raw loop),
+``plan`` (cost model), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
 ``SFTTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
 third-party libraries on first use.
 """
@@ -11,6 +12,7 @@ from .attention import ring_attention, token_info
 from .batch import shard_batch
 from .errors import RingSeqError
 from .layouts import LAYOUTS
+from .lockstep import resync
 from .planner import plan
 from .sharding import gather, shard
 from .stats import stats
@@ -19,8 +21,8 @@ from .topology import SequenceParallel, init
 __version__ = "0.1.0"
 
 __all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
-           "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "ring_attention", "shard", "shard_batch",
-           "stats", "token_info", "unpatch"]
+           "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync", "ring_attention", "shard",
+           "shard_batch", "stats", "token_info", "unpatch"]
 
 
 def __getattr__(name):
@@ -38,7 +40,7 @@ def __getattr__(name):
 
 def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
     """Patch a transformers causal LM for sequence parallelism (see ``ringseq.patches``)."""
-    from .patches.patch import patch as _patch
+    from .patches.lifecycle import patch as _patch
 
     return _patch(model, sp=sp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp, keep_ring_outputs=keep_ring_outputs)
 
@@ -65,7 +67,7 @@ def join_deepspeed():
 
 def unpatch(model):
     """Undo ``patch``: the model is exactly as it was."""
-    from .patches.patch import unpatch as _unpatch
+    from .patches.lifecycle import unpatch as _unpatch
 
     return _unpatch(model)
 

@@ -10,30 +10,73 @@ real tokens' results are exactly the unpadded ones.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 import torch
 
 from . import lockstep
 from .attention.masks import TokenInfo, documents
 from .errors import RingSeqError
-from .layouts import multiple
+from .layouts import multiple, sp_positions
 from .lockstep import checksum, dtype_code
 from .loss import IGNORE
-from .sharding import shard
+from .sharding import gather, shard
 from .topology import check_sp
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class RingCall:
-    """What a patched model hands its attention layers (as the ``ringseq`` keyword argument,
-    which transformers passes down to every attention function, also on recompute)."""
+class ShardedBatch:
+    """Every fact of one sharded batch, made once per forward (``shard_batch``): what the
+    attention layers, the loss, the fused LM head and the metrics read, so that none of them
+    works it out again. A patched model hands it to every layer as the ``ringseq`` keyword
+    argument (transformers passes model keyword arguments down to attention, also on a
+    checkpointed layer's recompute). Shapes: ``ringseq.shapes``."""
 
     sp: object
-    info: TokenInfo
-    pad: int = 0
+    length: int
+    """S: tokens per row as the batch came."""
+    pad: int
     """Tokens appended to every row so that the layout can split it (``pad_to_layout``)."""
+    info: TokenInfo
+    """What attention keeps apart over the whole (padded) batch: packed documents (where the
+    model keeps them apart) and padding."""
+    documents: torch.Tensor | None = None
+    """[B, S + pad] int32 document ids by transformers' rule (None: one document per row),
+    whether or not attention keeps them apart."""
+    count: torch.Tensor | None = None
+    """Targets (shifted labels other than -100) in the whole batch: what the loss divides by."""
+    labels: torch.Tensor | None = None
+    """This rank's shifted labels [B, s]: entry i is the target of token i."""
+    raw_labels: torch.Tensor | None = None
+    """This rank's labels as given [B, s] (None when only shift_labels came): what a metrics
+    function reads next to the logits of the same tokens."""
+    attention_mask: torch.Tensor | None = None
+    """This rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero padding with)."""
+
+    @property
+    def padded_length(self) -> int:
+        return self.length + self.pad
+
+    def positions(self) -> torch.Tensor:
+        """Global indices (int64 [s]) of this rank's tokens, in local order."""
+        sp = self.sp
+        return sp_positions(sp.layout, self.padded_length, sp.ring_size, sp.ulysses_size, sp.rank)
+
+    def gather(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Token-wise results of this rank (``local``, tokens along ``dim``) -> those of the whole
+        batch in global order, the layout's padding cut (differentiable: ``ringseq.gather``)."""
+        full = gather(local, dim, sp=self.sp)
+        return full.narrow(dim, 0, self.length)
+
+    def apart(self, documents_apart: bool) -> "ShardedBatch":
+        """This batch for a model that keeps packed documents apart or not (the one place where
+        that decides what attention sees)."""
+        doc = self.documents if documents_apart else None
+        if doc is self.info.doc:
+            return self
+        return dataclasses.replace(self, info=TokenInfo(doc=doc, valid=self.info.valid))
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:
@@ -63,16 +106,13 @@ def pad_to_layout(batch: dict, sp) -> tuple[dict, int]:
     return out, pad
 
 
-def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                    documents_apart: bool = True) -> TokenInfo:
+def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> TokenInfo:
     """Documents and padding of a full batch, by transformers' rules: packed documents are read
-    from position_ids only when there is no attention_mask (as transformers does), and only for
-    models that keep documents apart at all (``documents_apart``)."""
+    from position_ids only when there is no attention_mask (as transformers does)."""
     doc = valid = None
     if attention_mask is None:
-        if documents_apart:
-            doc = documents(position_ids.long())
-            doc = doc if bool(doc.any()) else None
+        doc = documents(position_ids.long())
+        doc = doc if bool(doc.any()) else None
     elif not bool(attention_mask.bool().all()):
         valid = attention_mask.bool()
     return TokenInfo(doc=doc, valid=valid)
@@ -112,6 +152,9 @@ def check_batch(batch: dict) -> None:
         raise RingSeqError(f"input_ids/inputs_embeds must be [batch, sequence, ...]; got shape {tuple(tokens.shape)} "
                            f"(add a batch dimension: x[None])")
     B, S = tokens.shape[:2]
+    if B == 0 or S == 0:
+        raise RingSeqError(f"the batch is empty: input_ids/inputs_embeds have shape {tuple(tokens.shape)} (a batch needs "
+                           f"at least one sample of at least one token)")
     if "input_ids" in batch and (batch["input_ids"].is_floating_point() or batch["input_ids"].dtype == torch.bool):
         raise RingSeqError(f"input_ids must hold integer token ids, got {batch['input_ids'].dtype}")
     for key in ("labels", "shift_labels"):
@@ -155,13 +198,22 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     the padded length (the first S are the real tokens). Raises ``RingSeqError`` when the ranks
     of the group were given different batches (checked by one all-gather of a fixed-size record, ``ringseq.lockstep``).
     """
+    local, _ = sharded(batch, sp=sp, documents_apart=documents_apart)
+    return local
+
+
+def sharded(batch, *, sp, documents_apart: bool = True) -> tuple[dict, ShardedBatch]:
+    """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``)."""
+    check_sp(sp)
+    if not isinstance(batch, Mapping):
+        raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
+                           f"collate the samples first (e.g. with a DataCollator)")
     unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
     if unknown:
         raise RingSeqError(f"shard_batch does not know how to shard {unknown}; it handles {list(SEQUENCE_KEYS)}")
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
-    if tokens is None:
-        raise RingSeqError("the batch needs input_ids or inputs_embeds")
-    check_sp(sp)
+    if not torch.is_tensor(tokens):
+        raise RingSeqError("the batch needs input_ids or inputs_embeds (a tensor)")
     check_same_batch(batch, sp)  # first: every rank then raises the same errors below, or none
     check_batch(batch)
     B, S = tokens.shape[:2]
@@ -169,14 +221,24 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(S, device=tokens.device)
     batch["position_ids"] = batch["position_ids"].reshape(-1, S).expand(B, S)
-    if "shift_labels" not in batch and "labels" in batch:  # shift on the full, unpadded sequence
+    raw = batch.get("labels")
+    if "shift_labels" not in batch and raw is not None:  # shift on the full, unpadded sequence
         batch["shift_labels"] = shift(batch.pop("labels"))
+    batch.pop("labels", None)
+    targets = batch.get("shift_labels")
     batch, pad = pad_to_layout(batch, sp)
-    info = full_token_info(batch["position_ids"], batch.get("attention_mask"), documents_apart)
-    out = {"position_ids": shard(batch["position_ids"], 1, sp=sp), "ringseq": RingCall(sp=sp, info=info, pad=pad)}
+    info = full_token_info(batch["position_ids"], batch.get("attention_mask"))
+    local = {"position_ids": shard(batch["position_ids"], 1, sp=sp)}
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         if key in batch:
-            out[key] = shard(batch[key], 1, sp=sp)
-    if "shift_labels" in batch:
-        out["labels"] = shard(batch["shift_labels"], 1, sp=sp)
-    return out
+            local[key] = shard(batch[key], 1, sp=sp)
+    if targets is not None:
+        local["labels"] = shard(batch["shift_labels"], 1, sp=sp)
+    facts = ShardedBatch(
+        sp=sp, length=S, pad=pad, info=info, documents=info.doc,
+        count=None if targets is None else (targets != IGNORE).sum(),  # the whole batch is here: no communication
+        labels=local.get("labels"), attention_mask=local.get("attention_mask"),
+        raw_labels=None if raw is None else shard(torch.nn.functional.pad(raw, (0, pad), value=IGNORE), 1, sp=sp))
+    facts = facts.apart(documents_apart)
+    local["ringseq"] = facts
+    return local, facts

@@ -3,20 +3,23 @@
 This is the one place where settings are validated (``RingSeqConfig.__post_init__`` and, once
 the world size is known, ``check_world``) and where environment variables are read
 (``from_env``): ``RINGSEQ_SP_SIZE``, ``RINGSEQ_ULYSSES_SIZE``, ``RINGSEQ_LAYOUT``,
-``RINGSEQ_TIMEOUT``. ``ringseq launch`` sets them for the processes it starts. A DeepSpeed
-config may carry the same settings in a ``"ringseq"`` section (``from_ds_config``).
+``RINGSEQ_TIMEOUT``, ``RINGSEQ_STATS``. ``ringseq launch`` sets them for the processes it starts.
+A DeepSpeed config may carry the same settings in a ``"ringseq"`` section (``from_ds_config``).
+A leaf: ``ringseq.init(config=...)`` consumes a config; nothing here builds process groups.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 from .errors import RingSeqError
-from .layouts import LAYOUTS
+from .lengths import check_layout
 
 ENV = {"sp_size": "RINGSEQ_SP_SIZE", "ulysses_size": "RINGSEQ_ULYSSES_SIZE", "layout": "RINGSEQ_LAYOUT",
-       "timeout": "RINGSEQ_TIMEOUT"}
+       "timeout": "RINGSEQ_TIMEOUT", "stats": "RINGSEQ_STATS"}
 DEFAULT_TIMEOUT = 600.0  # seconds; a ring step of a healthy job takes far less than this
+MIN_TIMEOUT = 0.001  # gloo counts waits in whole milliseconds; less would round to 0, which it reads as no bound
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,6 +34,9 @@ class RingSeqConfig:
     timeout: float | None = None
     """Seconds any ringseq wait (a ring transfer, its all-gathers) may take before it raises
     RingSeqError. None: RINGSEQ_TIMEOUT, else 600."""
+    stats: bool | None = None
+    """Whether ringseq times its waits and block computes for ``ringseq.stats``. None:
+    RINGSEQ_STATS (0 turns it off), else on."""
 
     def __post_init__(self):
         for name in ("sp_size", "ulysses_size"):
@@ -42,11 +48,14 @@ class RingSeqConfig:
         if self.sp_size is not None and self.sp_size % self.ulysses_size:
             raise RingSeqError(f"sequence group {self.sp_size} is not ring N x ulysses {self.ulysses_size} for any "
                                f"whole N: ulysses_size {self.ulysses_size} must divide sp_size {self.sp_size}")
-        if self.layout not in LAYOUTS:
-            raise RingSeqError(f"ringseq layout {self.layout!r} is unknown: choose one of {', '.join(LAYOUTS)}")
+        check_layout(self.layout)
         if self.timeout is not None and (isinstance(self.timeout, bool) or not isinstance(self.timeout, (int, float))
-                                         or not self.timeout > 0):
-            raise RingSeqError(f"ringseq timeout must be a positive number of seconds, got {self.timeout!r}")
+                                         or not MIN_TIMEOUT <= self.timeout < math.inf):
+            raise RingSeqError(f"ringseq timeout must be a finite number of seconds, at least {MIN_TIMEOUT:g} (gloo "
+                               f"counts milliseconds), got {self.timeout!r}; for a very long bound give one, e.g. "
+                               f"86400")
+        if self.stats is not None and not isinstance(self.stats, bool):
+            raise RingSeqError(f"ringseq stats must be True or False, got {self.stats!r}")
 
     def check_world(self, world: int, environ=None) -> None:
         """Refuse a world that is not data x ring x ulysses, with the whole equation (and, for a
@@ -60,23 +69,14 @@ class RingSeqConfig:
     def resolved_timeout(self) -> float:
         return float(self.timeout) if self.timeout is not None else (from_env().timeout or DEFAULT_TIMEOUT)
 
+    def resolved_stats(self) -> bool:
+        return self.stats if self.stats is not None else from_env().stats is not False
+
     def check_matches(self, sp) -> None:
         """Refuse a ``SequenceParallel`` that these settings (a ds_config section) contradict."""
         if self.sp_size not in (None, sp.size) or self.ulysses_size != sp.ulysses_size or self.layout != sp.layout:
             raise RingSeqError(f'the ds_config "ringseq" section {self} disagrees with sp= (sp_size {sp.size}, '
                                f"ulysses_size {sp.ulysses_size}, layout {sp.layout!r}); give one of them")
-
-    def init(self, **kwargs):
-        """``ringseq.init`` with these settings (sp_size None: the whole world)."""
-        import torch.distributed as dist
-
-        from .process_group import ensure_process_group
-        from .topology import init
-
-        ensure_process_group(kwargs.get("backend"))
-        sp_size = dist.get_world_size() if self.sp_size is None else self.sp_size
-        kwargs.setdefault("timeout", self.timeout)
-        return init(sp_size=sp_size, ulysses_size=self.ulysses_size, layout=self.layout, **kwargs)
 
 
 def single_process_hint(environ=None) -> str:
@@ -98,6 +98,11 @@ def from_env(environ=None) -> RingSeqConfig:
             raw = environ[var]
             if field == "layout":
                 values[field] = raw
+                continue
+            if field == "stats":
+                if raw not in ("0", "1"):
+                    raise RingSeqError(f"{var}={raw!r} must be 0 (timings off) or 1 (on)")
+                values[field] = raw == "1"
                 continue
             try:
                 values[field] = float(raw) if field == "timeout" else int(raw)

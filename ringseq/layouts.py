@@ -20,32 +20,7 @@ import functools
 
 import torch
 
-from .errors import RingSeqError
-
-LAYOUTS = ("contiguous", "zigzag", "striped")
-
-
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise RingSeqError(f"unknown layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
-    return layout
-
-
-def multiple(layout: str, P: int, U: int = 1) -> int:
-    """The global length S must be a multiple of this number (P ring ranks, U Ulysses ranks)."""
-    return (2 * P if check_layout(layout) == "zigzag" else P) * U
-
-
-def check_length(layout: str, S: int, P: int, U: int = 1) -> int:
-    """Return the local length S / (P U), or raise if the layout cannot split S."""
-    m = multiple(layout, P, U)
-    if S % m:
-        pad = -S % m
-        ranks = f"{P} ranks" if U == 1 else f"{P} ring x {U} Ulysses ranks"
-        raise RingSeqError(
-            f"sequence length {S} cannot be split by layout {layout!r} over {ranks}: it must be a "
-            f"multiple of {m}; pad the sequence by {pad} tokens (to {S + pad}) or change sp_size/layout")
-    return S // (P * U)
+from .lengths import LAYOUTS, check_layout, check_length, multiple  # noqa: F401 - the layouts' interface
 
 
 def segments(layout: str, s: int, P: int, r: int) -> list[tuple[int, int]] | None:

@@ -1,23 +1,36 @@
 """Ranks in lockstep: every ringseq collective is agreed, and every wait is bounded.
 
 Each ringseq collective of a sequence group (a batch handed to ``shard_batch`` or a patched
-forward, a ``ring_attention`` call, its backward) starts with one all-gather of a fixed-size
-integer record (``RECORD`` int64): which collective, its sequence number on this rank, and
-every argument that must agree (shapes, dtype, layout, causal, scale, window, softcap, kernel,
-which tensors are present). Records have one size whatever they hold, so ranks that are out of
-step still meet in an all-gather of equal size, see each other's records and raise
-``RingSeqError`` on every rank, naming both sides, before any tensor of mismatched size
+forward, a ``ring_attention`` call, its backward, a ``gather``) starts with one all-gather of a
+fixed-size integer record (``RECORD`` int64): which collective, its sequence number on this
+rank, and every argument that must agree (shapes, dtype, layout, causal, scale, window,
+softcap, kernel, which tensors are present). Records have one size whatever they hold, so ranks
+that are out of step still meet in an all-gather of equal size, see each other's records and
+raise ``RingSeqError`` on every rank, naming both sides, before any tensor of mismatched size
 crosses the wire. The record travels over a CPU (gloo) group, so on GPU it costs no device
-synchronisation.
+synchronisation. Its last slots carry this rank's timing ledger (``ringseq.ledger``), so every
+rank always knows its peers' timings without a collective of its own (``ringseq.stats``).
 
-Every wait is bounded by ``sp.timeout``: a peer that does not answer in time (stopped,
-deadlocked, swapping), or whose process died, ends the wait with a ``RingSeqError`` saying
-which collective, ring step, layer and peer rank it was waiting for.
+After a failure no result is produced until the ranks are provably back in step. A rank whose
+call raised keeps the fingerprint of that first failed call (number, kind, layer) in every
+record until it is in step again: ranks that all failed in the same call are in step (they go
+on from the same point) and their next agreement clears it; ranks that failed in different
+calls refuse every call until a resync point: the next batch (``shard_batch``, a patched
+forward: the records then compare the batch itself, not the call numbers, and carry a digest of
+each rank's last few batches, so a rank whose batch a peer has had already is behind: it raises
+and its loop skips that batch, while the rank ahead waits for it), or ``ringseq.resync(sp,
+step)`` in a loop of raw ``ring_attention`` calls (the step numbers order the ranks).
+
+Every wait is bounded by ``sp.timeout``. A wait that times out or whose peer's transport fails
+names what it waited for and, from notes in the store (``ringseq.peers``), the rank that
+stalled or raised; the groups' transfers are then out of step for good (a stray message can
+pair with a later one), so every later call on them raises at once.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import datetime
 import struct
 import time
@@ -25,21 +38,66 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import peers
 from .errors import RingSeqError
+from .layouts import LAYOUTS
+from .ledger import Clock, ledger
+from .topology import check_sp
 
 RECORD = 64
 """int64 slots of every agreement record (fixed: mismatched ranks still exchange equal sizes)."""
+HISTORY = 4
+"""Digests of this rank's last batches that every batch record carries (how far a rank can fall behind and catch up)."""
+LEDGER = 3
+PAYLOAD = HISTORY + LEDGER
+"""The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait seconds)."""
 
-KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather")
+KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync")
+RESYNC_KINDS = ("batch", "resync")
+HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
+          "position")
+_KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _POSITION = 0, 1, 2, 3, 6, 8
 
 _layer = contextvars.ContextVar("ringseq_layer", default=-1)
-_counters: dict = {}
-_failed: dict = {}
+
+
+@dataclasses.dataclass
+class _State:
+    """This rank's lockstep state for one sequence group."""
+
+    number: int = 0
+    """The sequence number of the next collective."""
+    recent: list = dataclasses.field(default_factory=list)
+    """Digests of the last ``HISTORY`` batches this rank was handed (agreed or skipped), oldest first."""
+    last: tuple = (-1, -1, -1)
+    """(number, kind, layer) of the latest agreed collective."""
+    failure: tuple | None = None
+    """(number, kind, layer) of this rank's first failed call since it was last in step."""
+    broken: str | None = None
+    """Why the group's transfers can no longer be trusted (a wait timed out or a peer's transport failed)."""
+    peers: list | None = None
+    """Every rank's ledger as its last record carried it: [calls, compute_s, wait_s] per group rank."""
+    baseline: list | None = None
+    """The same at the last ``stats(reset=True)``."""
+
+
+_states: dict = {}
+
+
+def state(sp) -> _State:
+    return _states.setdefault(sp.ranks, _State())
+
+
+def forget() -> None:
+    """Forget every group's state (a test harness starting its ranks afresh)."""
+    _states.clear()
 
 
 @contextlib.contextmanager
 def layer(index: int | None):
     """Name the model layer the ringseq calls inside belong to (errors and records say it)."""
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
+        raise RingSeqError(f"lockstep.layer takes a layer index (an int, or None), got {index!r}")
     token = _layer.set(-1 if index is None else int(index))
     try:
         yield
@@ -91,39 +149,121 @@ def _dtype_name(code: int) -> str:
     return {-1: "None", -2: "not a tensor", 99: "another dtype"}.get(code) or str(DTYPES[code]).replace("torch.", "")
 
 
-def mark_failed(sp, failed: bool) -> None:
-    """Remember whether this rank's last ringseq collective raised (the next record says so)."""
-    _failed[sp.ranks] = failed
+def mark_failed(sp, reason: str = "") -> None:
+    """This rank's ringseq call failed after its agreement: remember the call (the first one
+    since the rank was last in step) and leave a note for peers that may be waiting."""
+    st = state(sp)
+    if st.failure is None:
+        st.failure = st.last
+    if reason:
+        peers.post_failure(sp, reason)
 
 
-def agree(sp, kind: str, fields: dict[str, int], hint: str = "") -> int:
+def mark_broken(sp, reason: str) -> None:
+    """The group's transfers can no longer be trusted: every later call raises ``reason``."""
+    st = state(sp)
+    st.broken = st.broken or reason
+    mark_failed(sp, reason)
+
+
+def _snapshot(sp) -> list[int]:
+    book = ledger(sp)
+    return [book.calls, float_bits(book.compute_s), float_bits(book.wait_s)]
+
+
+def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int | None = None) -> int:
     """All-gather this rank's record of the collective it is about to make; raise
-    ``RingSeqError`` on every rank unless all records are equal. Returns its sequence number."""
-    number = _counters.get(sp.ranks, 0)
-    _counters[sp.ranks] = number + 1
+    ``RingSeqError`` on every rank unless the ranks are in step. Returns its sequence number.
+    ``kind`` "batch" (and "resync", with ``position`` = the caller's step) is a resync point."""
+    st = state(sp)
+    if st.broken:
+        raise RingSeqError(f"this sequence group cannot go on: {st.broken}. Its transfers are out of step for good; "
+                           f"end the job (or build new groups: ringseq.init on every rank)")
+    number = st.number
+    st.number += 1
+    st.last = (number, KINDS.index(kind), current_layer())
+    digest = _digest(fields.values()) if kind == "batch" else 0
     if sp.size == 1:
+        st.failure = None
         return number
-    from .layouts import LAYOUTS
+    failed = st.failure or (-1, -1, -1)
+    values = [KINDS.index(kind), number, current_layer(), *failed, LAYOUTS.index(sp.layout), sp.ulysses_size,
+              -1 if position is None else int(position), *fields.values()]
+    if len(values) > RECORD - PAYLOAD:
+        raise AssertionError(f"a lockstep record holds at most {RECORD - PAYLOAD} fields")
+    names = [*HEADER, *fields]
+    n = len(values)
+    history = (st.recent + [0] * HISTORY)[:HISTORY] if kind == "batch" else [0] * HISTORY
+    while True:
+        mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
+        rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{_at_layer()}")
+        st.peers = rows[:, -LEDGER:].tolist()
+        compared = rows[:, :n]
+        verdict = "in step" if bool((compared == compared[0]).all()) else None
+        if verdict is None and kind in RESYNC_KINDS:
+            verdict = _resync(st, rows, n, sp.rank)
+        if verdict == "wait":
+            continue  # ahead of a peer: meet it again when it comes to this batch
+        if kind == "batch":
+            st.recent = (st.recent + [digest])[-HISTORY:]
+        if verdict == "in step":
+            st.failure = None
+            return number
+        mark_failed(sp)
+        raise RingSeqError(_mismatch(compared, names, hint, behind=verdict == "behind"))
 
-    names = ["kind", "number", "layer", "previous call raised", "layout", "ulysses_size", *fields]
-    values = [KINDS.index(kind), number, current_layer(), int(_failed.get(sp.ranks, False)),
-              LAYOUTS.index(sp.layout), sp.ulysses_size, *fields.values()]
-    if len(values) > RECORD:
-        raise AssertionError(f"a lockstep record holds at most {RECORD} fields")
-    mine = torch.tensor(values + [0] * (RECORD - len(values)), dtype=torch.int64)
+
+def _digest(values) -> int:
+    """A batch record's fields as one int64 (0 is kept for "no batch")."""
+    return hash(tuple(int(v) for v in values)) % (2**62) + 1
+
+
+def _resync(st: _State, rows: torch.Tensor, n: int, me: int) -> str | None:
+    """At a resync point, compare what says where the ranks are in the data (the batch itself,
+    or the caller's step), not call numbers or failures. Returns "in step" (call numbers are made
+    equal), "wait" (this rank is ahead of a peer, which will raise and come again), "behind"
+    (this rank must skip), or None (the ranks hold different data: nothing orders them)."""
+    data = [_KIND, _LAYOUT, _LAYOUT + 1, _POSITION, *range(len(HEADER), n)]
+    sel = rows[:, data]
+    if bool((sel == sel[0]).all()):
+        st.number = int(rows[:, _NUMBER].max()) + 1
+        return "in step"
+    kinds = rows[:, _KIND].tolist()
+    if kinds[me] == KINDS.index("resync"):  # the caller's step numbers order the ranks
+        steps = [int(rows[r, _POSITION]) if k == kinds[me] else None for r, k in enumerate(kinds)]
+        top = max(x for x in steps if x is not None)
+        if steps[me] < top:
+            return "behind"
+        return "wait" if any(x is None or x < top for x in steps) else None
+    digests = [_digest(rows[r, len(HEADER):n].tolist()) if k == kinds[me] else None for r, k in enumerate(kinds)]
+    history = [set(x for x in rows[r, -PAYLOAD:-LEDGER].tolist() if x) for r in range(rows.size(0))]
+    if any(digests[me] in history[r] for r in range(rows.size(0)) if r != me):
+        return "behind"  # a peer had this batch already
+    if any(d is None or d in history[me] for d in digests):
+        return "wait"  # a peer is mid-step, or at a batch this rank had already
+    return None
+
+
+def _exchange(sp, mine: torch.Tensor, what: str) -> torch.Tensor:
     every = [torch.empty_like(mine) for _ in range(sp.size)]
-    from .stats import Clock, ledger
-
     start = time.perf_counter()
     work = dist.all_gather(every, mine, group=sp.check_group, async_op=True)
-    wait(work, sp, f"the agreement of {kind} #{number}{_at_layer()}", peer=None, gloo=True)
-    Clock(ledger(sp)).time("wait_s", start)
-    _failed[sp.ranks] = False
-    rows = torch.stack(every)
-    if bool((rows == mine).all()):
-        return number
-    _failed[sp.ranks] = True  # every rank raises here: they all say so next time, and agree again
-    raise RingSeqError(_mismatch(rows, names, hint))
+    wait(work, sp, what, peer=None, gloo=True)
+    Clock(sp).time("wait_s", start)
+    return torch.stack(every)
+
+
+def resync(sp, step: int) -> None:
+    """A resync point for a loop of raw ringseq calls (the patched model and ``shard_batch``
+    resync at every batch by themselves): every rank of the group calls it at the start of
+    every step with the same ``step`` number. Ranks in step pass it at once; after a failure
+    that left ranks at different steps, a rank behind raises (its loop skips that step) and a
+    rank ahead waits for it, so the group goes on together from the same step."""
+    check_sp(sp)
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise RingSeqError(f"resync takes the loop's step number (an int, the same on every rank), got {step!r}")
+    agree(sp, "resync", {}, position=step,
+          hint="call ringseq.resync(sp, step) with the same step number on every rank of the group")
 
 
 def _at_layer() -> str:
@@ -133,69 +273,92 @@ def _at_layer() -> str:
 FLOAT_FIELDS = {"scale", "softcap", "window", "slab_rows"}
 
 
-def _mismatch(rows: torch.Tensor, names: list[str], hint: str) -> str:
+def _mismatch(rows: torch.Tensor, names: list[str], hint: str, behind: bool) -> str:
     first = rows[0].tolist()
     lines = []
     for r in range(1, rows.size(0)):
         other = rows[r].tolist()
         if other == first:
             continue
-        if other[0] != first[0] or other[1] != first[1]:
-            raised = [f"group rank {i}" for i, row in ((0, first), (r, other)) if row[3]]
-            news = f"; the previous ringseq call of {' and '.join(raised)} raised (see its error)" if raised else ""
-            what = [f"group rank 0 is at ringseq collective #{first[1]} ({KINDS[first[0]]}"
-                    f"{_layer_of(first)}) while group rank {r} is at #{other[1]} ({KINDS[other[0]]}{_layer_of(other)})"
-                    + news]
+        if other[_KIND] != first[_KIND] or other[_NUMBER] != first[_NUMBER]:
+            what = (f"group rank 0 is at ringseq collective #{first[_NUMBER]} ({_where(first)}) while group rank {r} "
+                    f"is at #{other[_NUMBER]} ({_where(other)})")
         else:
             diffs = [f"{name}: rank 0 {_show(name, a)}, rank {r} {_show(name, b)}"
                      for name, a, b in zip(names, first, other) if a != b]
-            what = [f"group rank 0 and group rank {r} differ in {KINDS[first[0]]} #{first[1]}{_layer_of(first)}: "
-                    + "; ".join(diffs)]
-        lines += what
+            what = f"group rank 0 and group rank {r} differ in {KINDS[first[_KIND]]} #{first[_NUMBER]}: " + "; ".join(
+                diffs)
+        lines.append(what)
+    failed = [r for r in range(rows.size(0)) if rows[r, _FAILED] >= 0]
+    news = ""
+    if failed:
+        news = (f" Group rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} had a ringseq call fail "
+                f"since the group was last in step: no call gives a result until the ranks are back in step (the "
+                f"next batch of the patched model or shard_batch, or ringseq.resync(sp, step) in a loop of raw "
+                f"ringseq calls).")
+    if behind:
+        news += (" This rank is behind the others (they had its batch or step already): skip it, as a loop that "
+                 "swallows the error does; the ranks ahead wait for it at their batch or step.")
     hint = hint or ("every rank of a group must make the same ringseq calls with the same arguments and shapes "
                     "(same batch, same model, no rank skipping a step or a layer after an exception)")
-    return "the ranks of a sequence group are out of step: " + " | ".join(lines) + ". " + hint
+    return "the ranks of a sequence group are out of step: " + " | ".join(lines) + "." + news + " " + hint
 
 
-def _layer_of(row: list[int]) -> str:
-    return f", layer {row[2]}" if row[2] >= 0 else ""
+def _where(row: list[int]) -> str:
+    text = KINDS[row[_KIND]] + (f", layer {row[_LAYER]}" if row[_LAYER] >= 0 else "")
+    if row[_KIND] == KINDS.index("resync"):
+        text += f", step {row[_POSITION]}"
+    if row[_FAILED] >= 0:
+        text += f"; its call #{row[_FAILED]} ({KINDS[row[_FAILED + 1]]}) failed"
+    return text
 
 
 def _show(name: str, value: int) -> str:
     if name in FLOAT_FIELDS:
         return "None" if value == 0 else repr(_from_bits(value))
-    if name == "previous call raised":
-        return "yes" if value else "no"
+    if name == "failed in call":
+        return "none" if value < 0 else f"#{value}"
+    if name == "failed kind":
+        return "none" if value < 0 else KINDS[value]
     if name.endswith("dtype") or name == "sinks":
         return _dtype_name(value)
     if name == "kernel":
         return {-1: "auto", 99: "unknown"}.get(value) or KERNELS[value]
     if name == "layout":
-        from .layouts import LAYOUTS
-
         return LAYOUTS[value]
     return str(value)
 
 
 def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> None:
     """Wait for ``work`` at most ``sp.timeout`` seconds (gloo), re-raising a timeout or a dead
-    peer's transport error as ``RingSeqError`` that says what was awaited. NCCL work is
-    stream-ordered (waiting blocks no host); its group timeout bounds it instead. ``gloo``:
-    whether the work ran on a gloo group (default: whether ``sp``'s groups are gloo)."""
+    peer's transport error as ``RingSeqError`` that says what was awaited and who stalled or
+    failed. NCCL work is stream-ordered (waiting blocks no host); its group timeout bounds it
+    instead. ``gloo``: whether the work ran on a gloo group (default: whether ``sp``'s groups
+    are gloo)."""
     if work is None:
         return
+    since = time.time()
     try:
         if not (gloo if gloo is not None else not sp.nccl):
             work.wait()
         else:
             work.wait(timeout=datetime.timedelta(seconds=sp.timeout))
     except RuntimeError as exc:
-        mark_failed(sp, True)
-        from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
-        text = str(exc)
-        if "Timed out" in text or "timeout" in text.lower():
-            cause = (f"no answer from {from_whom} within the {sp.timeout:g} s timeout (ringseq.init(timeout=...) "
-                     f"or RINGSEQ_TIMEOUT): that rank is stopped, stuck, far slower, or itself waiting for another")
-        else:
-            cause = f"{from_whom} failed or exited ({text.splitlines()[0][:200]})"
-        raise RingSeqError(f"while waiting for {what}: {cause}") from exc
+        raise transport_error(sp, what, peer, exc, since) from exc
+
+
+def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: float) -> RingSeqError:
+    """The ``RingSeqError`` for a wait or transfer on ``sp``'s groups that failed with ``exc``;
+    the group is marked broken."""
+    text = str(exc)
+    timed_out = "Timed out" in text or "timeout" in text.lower()
+    who = peers.blame(sp, what, since) if timed_out else None
+    from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
+    if timed_out:
+        cause = f"no answer within the {sp.timeout:g} s timeout (ringseq.init(timeout=...) or RINGSEQ_TIMEOUT): "
+        cause += who or f"{from_whom} is stopped, stuck, far slower, or itself waiting for another"
+    else:
+        cause = f"{from_whom} failed or exited ({text.splitlines()[0][:200] if text else type(exc).__name__})"
+    message = f"while waiting for {what}: {cause}"
+    mark_broken(sp, message)
+    return RingSeqError(message)

@@ -25,13 +25,14 @@ IGNORE = -100
 def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torch.Tensor:
     """local_sum / count with the value of sum-over-ranks / count and the gradient of the local
     part. The sums are float64 (a scalar per rank: free), so the loss is the exact mean rounded
-    once to ``dtype``, however the tokens were split."""
+    once to ``dtype``, however the tokens were split. No target at all (every label -100) gives
+    NaN, as the unpatched model's mean over no tokens does."""
     total = local_sum.detach().clone()
     if sp.size > 1:
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the loss sums", peer=None)
     count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
-    return ((local_sum + (total - local_sum.detach())) / count.clamp(min=1)).to(dtype)
+    return ((local_sum + (total - local_sum.detach())) / count).to(dtype)
 
 
 def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -40,7 +41,10 @@ def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return losses.double().sum()
 
 
-def _count(shift_labels: torch.Tensor, sp) -> torch.Tensor:
+def count_targets(shift_labels: torch.Tensor, sp) -> torch.Tensor:
+    """Targets (labels other than -100) of the whole sequence group, from this rank's shard: one
+    all-reduce. A patched model or ``shard_batch`` counts them on the full batch instead
+    (``ShardedBatch.count``), with no communication."""
     n = (shift_labels != IGNORE).sum()
     if sp.size > 1:
         work = dist.all_reduce(n, group=sp.group, async_op=True)
@@ -57,7 +61,7 @@ def cross_entropy(logits: torch.Tensor, shift_labels: torch.Tensor, *, sp, num_i
     """
     logits = _upcast(logits)
     local = _token_sum(logits, shift_labels.to(logits.device))
-    count = num_items_in_batch if num_items_in_batch is not None else _count(shift_labels, sp)
+    count = num_items_in_batch if num_items_in_batch is not None else count_targets(shift_labels, sp)
     return _global_loss(local, count, sp, logits.dtype)
 
 

@@ -42,6 +42,17 @@ def local_device(environ, device_count: int) -> int:
     return local
 
 
+def node_key(environ) -> str:
+    """Which node this process runs on: the launcher's node rank (torchrun's ``GROUP_RANK``, which
+    Accelerate passes on; DeepSpeed's ``NODE_RANK``...), else the host name."""
+    for var in ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID"):
+        if environ.get(var, "") != "":
+            return f"node {environ[var]}"
+    import socket
+
+    return socket.gethostname()
+
+
 def ensure_process_group(backend: str | None = None) -> None:
     """Join the launcher's process group, or make a one-process world when there is none; on
     CUDA bind this process's GPU first (also when someone else made the group)."""

@@ -1,76 +1,53 @@
 """Straggler report: how long each rank of a sequence group computed and waited in ringseq.
 
 Every ring call adds its block-compute time and its wait time (ring transfers, lockstep
-agreements) to this rank's ledger; ``stats`` all-gathers the ledgers of a group. In a ring,
+agreements) to this rank's ledger (``ringseq.ledger``), and every lockstep record carries the
+sender's ledger, so each rank knows every peer's ledger as of the group's last ringseq
+collective. ``stats`` reads that: it communicates nothing, so a rank may call it alone (a
+callback that logs on the main process only) without putting the group out of step. In a ring
 every rank waits for the slowest one (a block arrives only after its sender finished its own
-step, and the next call's agreement waits for the last rank to arrive), so the rank that
-waited least is the one the others waited for. Timings are host clocks: exact on CPU; on CUDA,
-where kernels and NCCL run asynchronously, they show where the host waited, not the device.
-Set ``RINGSEQ_STATS=0`` to switch the ledger off (the report then counts calls only).
+step, and the next call's agreement waits for the last rank to arrive), so the rank that waited
+least is the one the others waited for. Timings are host clocks: exact on CPU; on CUDA, where
+kernels and NCCL run asynchronously, they show where the host waited, not the device.
+``RINGSEQ_STATS=0`` switches the timings off (the report then counts calls only).
 """
 from __future__ import annotations
 
-import dataclasses
-import os
-import time
-
-import torch
-import torch.distributed as dist
-
 from . import lockstep
+from .ledger import ledger
+from .topology import check_sp
 
 
-@dataclasses.dataclass
-class Ledger:
-    calls: int = 0
-    compute_s: float = 0.0
-    wait_s: float = 0.0
-
-
-_ledgers: dict = {}
-
-
-def enabled() -> bool:
-    return os.environ.get("RINGSEQ_STATS", "1") != "0"
-
-
-def ledger(sp) -> Ledger:
-    """This rank's ledger for the sequence group of ``sp``."""
-    return _ledgers.setdefault(sp.ranks, Ledger())
-
-
-class Clock:
-    """Adds the time between ``start`` and ``stop`` to a ledger field (nothing when disabled)."""
-
-    def __init__(self, book: Ledger):
-        self.book, self.on = book, enabled()
-
-    def time(self, field: str, start: float) -> None:
-        if self.on:
-            setattr(self.book, field, getattr(self.book, field) + time.perf_counter() - start)
+def _rows(sp) -> list[list[float]]:
+    """[calls, compute_s, wait_s] per group rank, as the group's last records carried them."""
+    if sp.size == 1:
+        book = ledger(sp)
+        return [[book.calls, book.compute_s, book.wait_s]]
+    seen = lockstep.state(sp).peers
+    if seen is None:
+        return [[0, 0.0, 0.0] for _ in range(sp.size)]
+    return [[int(c), lockstep._from_bits(a), lockstep._from_bits(b)] for c, a, b in seen]
 
 
 def stats(*, sp, reset: bool = False) -> dict:
-    """Per-rank ring timings of the sequence group since the last reset (a collective: every
-    rank of the group must call it).
+    """Per-rank ring timings of the sequence group since the last reset, as of the group's last
+    ringseq collective (no communication: any rank may call it, alone or with the others).
 
     Returns ``{"ranks": [{"calls", "compute_s", "wait_s"} per group rank], "slowest_rank":
     the group rank the others waited for, "wait_for_slowest_s": how long the other ranks
     waited on average beyond the slowest rank's own waits}``. ``reset=True`` starts a new
-    period after reading.
+    period after reading (on this rank: each rank keeps its own period).
     """
-    book = ledger(sp)
-    mine = torch.tensor([book.calls, book.compute_s, book.wait_s], dtype=torch.float64)
-    rows = [mine]
-    if sp.size > 1:
-        rows = [torch.empty_like(mine) for _ in range(sp.size)]
-        work = dist.all_gather(rows, mine, group=sp.check_group, async_op=True)
-        lockstep.wait(work, sp, "the all-gather of ringseq.stats", peer=None, gloo=True)
-    ranks = [{"calls": int(r[0]), "compute_s": float(r[1]), "wait_s": float(r[2])} for r in rows]
+    check_sp(sp)
+    st = lockstep.state(sp)
+    now = _rows(sp)
+    base = st.baseline if st.baseline is not None and len(st.baseline) == len(now) else [[0, 0.0, 0.0]] * len(now)
+    ranks = [{"calls": int(r[0] - b[0]), "compute_s": float(r[1] - b[1]), "wait_s": float(r[2] - b[2])}
+             for r, b in zip(now, base)]
     # the rank that waited least is the one the others waited for; ties go to the one that computed most
     slowest = min(range(len(ranks)), key=lambda i: (ranks[i]["wait_s"], -ranks[i]["compute_s"]))
     others = [r["wait_s"] for i, r in enumerate(ranks) if i != slowest]
     waited = max(0.0, sum(others) / len(others) - ranks[slowest]["wait_s"]) if others else 0.0
     if reset:
-        _ledgers[sp.ranks] = Ledger()
+        st.baseline = now
     return {"ranks": ranks, "slowest_rank": slowest, "wait_for_slowest_s": waited}

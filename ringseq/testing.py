@@ -1,30 +1,30 @@
-"""Helpers for testing ringseq against a single-process reference.
+"""Helpers for testing ringseq against a single-process reference (tests only: no benchmark
+and no production module imports this).
 
 ``DistPool`` keeps ``world_size`` CPU processes with a gloo process group (on a free port)
 alive and runs test functions on all of them; every rank runs the same function and asserts,
-and a failure re-raises with the failing ranks' tracebacks. ``assert_close`` applies the
-project's tolerance rule: ringseq's error against a float64 reference may be at most twice
-the error of the plain same-dtype computation, plus a floor of two roundings of the reference.
+and a failure re-raises with the failing ranks' tracebacks. ``assert_close`` and friends apply
+the project's tolerance rule (``ringseq.tolerance``): ringseq's error against a float64
+reference may be at most twice the error of the plain same-dtype computation, plus a floor of
+two roundings of the reference.
 """
 from __future__ import annotations
 
-import os
 import queue
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
-from .processes import free_port
+from . import tolerance
+from .processes import free_port, join_gloo
+from .tolerance import error, relative_norm_error, rounding  # noqa: F401 - the tests' interface
 
 
 def _worker(rank: int, world: int, port: int, jobs, results) -> None:
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_gloo(rank, world, port, threads=1)
     while True:
         job = jobs.get()
         if job is None:
@@ -41,10 +41,10 @@ def _worker(rank: int, world: int, port: int, jobs, results) -> None:
 def _fresh_lockstep() -> None:
     """Every job starts all ranks at the same point: forget the previous job's collective
     counts (a test that has only some ranks call ringseq leaves them apart on purpose)."""
-    from . import lockstep
+    from . import ledger, lockstep
 
-    lockstep._counters.clear()
-    lockstep._failed.clear()
+    lockstep.forget()
+    ledger._ledgers.clear()
 
 
 class DistPool:
@@ -127,33 +127,13 @@ def shared_init(**kwargs):
     return _SHARED[key]
 
 
-def error(actual: torch.Tensor, ref64: torch.Tensor) -> float:
-    return (actual.double() - ref64).abs().max().item()
-
-
-def rounding(ref64: torch.Tensor, dtype: torch.dtype) -> float:
-    """One rounding of the reference in ``dtype``: the largest of storing it in that dtype,
-    flash-attn's measure (the error of adding and removing 0.3 in that dtype, so that values
-    near 0 still get the rounding of ~0.3) and half a unit in the last place at 0.3 (the same
-    measure where it cancels exactly: a reference of exact zeros, e.g. the query gradient of a
-    window of one token, would otherwise allow no rounding at all)."""
-    x = ref64.to(dtype)
-    at_03 = torch.finfo(dtype).eps / 8  # half the spacing of dtype's numbers in [0.25, 0.5)
-    return max(error(x, ref64), ((x + 0.3) - 0.3 - x).abs().max().item(), at_03)
-
-
 def assert_close(actual: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor, what: str,
                  floor: float | None = None) -> None:
-    """ringseq's ``actual`` vs the float64 ``ref64``: max error <= 2 x the max error of ``plain``
-    (the same computation done plainly in the same dtype) + a floor of two roundings of the
-    reference in that dtype (flash-attn's rule). Compare whole tensors, not shards: a max over a
-    few thousand values fluctuates by more than 2x between equally accurate fp32 algorithms."""
+    """ringseq's ``actual`` vs the float64 ``ref64`` by the 2x rule (``ringseq.tolerance.within``)."""
     assert actual.shape == ref64.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(ref64.shape)}"
     assert actual.dtype == plain.dtype, f"{what}: dtype {actual.dtype} != {plain.dtype}"
-    err, ref_err = error(actual, ref64), error(plain, ref64)
-    floor = 2 * rounding(ref64, actual.dtype) if floor is None else floor
-    assert err <= 2 * ref_err + floor, (
-        f"{what}: max error {err:.3e} > 2 x plain {actual.dtype} error {ref_err:.3e} + floor {floor:.1e}")
+    verdict = tolerance.within(actual, plain, ref64, what, floor)
+    assert verdict.ok, f"{verdict} ({actual.dtype})"
 
 
 def assert_shards_close(local: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor, what: str, *, sp,
@@ -165,45 +145,13 @@ def assert_shards_close(local: torch.Tensor, plain: torch.Tensor, ref64: torch.T
     assert_close(gather(local.detach(), dim, sp=sp), plain, ref64, what)
 
 
-def relative_norm_error(actual: torch.Tensor, ref64: torch.Tensor) -> float:
-    return ((actual.double() - ref64).norm() / ref64.norm().clamp_min(1e-300)).item()
-
-
 def assert_named_close(got: dict, plain: dict, ref64: dict, what: str, rounded: dict | None = None,
                        dtype: torch.dtype | None = None) -> None:
-    """Named tensors (a model's gradients or updates) against the same run done plainly in the
-    same dtype and in float64, by the 2x rule:
-
-    * each decoder layer's and top-level module's tensors (``ringseq check``'s grouping) by their
-      relative error norm: at most 2x the plain run's plus two roundings of the reference. A
-      norm over a layer's thousands of values is stable where the max over a 4-value router
-      bias is not, and any real defect, even in one small tensor, moves it by orders of magnitude;
-    * all of them together as one vector by ``assert_close`` (max error).
-
-    The floor is two roundings in ``dtype`` (default: got's) of the reference, or of ``rounded``
-    (float64 tensors of the same names) when the compared values are differences of numbers
-    held in that dtype, such as parameter updates.
-    """
-    from .launch.check_job import layer_of
-
-    dtype = dtype or next(iter(got.values())).dtype
-    rounded = ref64 if rounded is None else rounded
-
+    """Named tensors (a model's gradients or updates) by the 2x rule, layer by layer and all
+    together (``ringseq.tolerance.by_layer``)."""
     assert got.keys() == ref64.keys() == plain.keys(), f"{what}: the tensors differ: {sorted(got)} vs {sorted(ref64)}"
-    names = sorted(ref64)
-    layers: dict[str, list[str]] = {}
-    for name in names:
-        layers.setdefault(layer_of(name), []).append(name)
-    for layer, members in layers.items():
-        g, p, r, x = (torch.cat([d[n].flatten() for n in members]) for d in (got, plain, ref64, rounded))
-        r, x = r.double(), x.double()
-        err, plain_err = relative_norm_error(g, r), relative_norm_error(p, r)
-        floor = 2 * (x.to(dtype).double() - x).norm().item() / r.norm().clamp_min(1e-300).item()
-        assert err <= 2 * plain_err + floor, (f"{what}: {layer}: relative error {err:.2e} > 2 x plain "
-                                              f"{plain_err:.2e} + {floor:.1e}")
-    flat = [torch.cat([d[n].flatten() for n in names]) for d in (got, plain)]
-    every = [torch.cat([d[n].double().flatten() for n in names]) for d in (ref64, rounded)]
-    assert_close(*flat, every[0], f"{what}: all of them", floor=2 * rounding(every[1], dtype))
+    for verdict in tolerance.by_layer(got, plain, ref64, rounded, dtype):
+        assert verdict.ok, f"{what}: {verdict}"
 
 
 def assert_model_close(loss, grads: dict, plain_loss, plain_grads: dict, ref_loss, ref_grads: dict, what: str) -> None:
@@ -224,13 +172,3 @@ def assert_updates_close(got: dict, plain: dict, ref64: dict, start: dict, what:
     dtype = next(iter(got.values())).dtype
     assert_named_close(moved(got), moved(plain), moved(ref64), what, rounded={n: p.double() for n, p in ref64.items()},
                        dtype=dtype)
-
-
-def sdpa_reference(q, k, v, dout, *, causal: bool, scale: float | None = None):
-    """Full-sequence attention and its gradients by ``scaled_dot_product_attention``:
-    returns (out, dq, dk, dv) computed in the inputs' dtype."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, is_causal=causal, scale=scale, enable_gqa=k.size(1) != q.size(1))
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
 
-from .config import RingSeqConfig
-from .process_group import ensure_process_group
+from .config import RingSeqConfig, from_env
+from .errors import RingSeqError
+from .process_group import ensure_process_group, node_key
 
 AXES = ("data", "ring", "ulysses")
 
@@ -60,6 +62,8 @@ class SequenceParallel:
     over it and divided by ``dp_size``."""
     timeout: float
     """Seconds any ringseq wait may take before it raises ``RingSeqError``."""
+    stats: bool
+    """Whether waits and block computes are timed for ``ringseq.stats``."""
     mpu: object
     """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
     check_group: dist.ProcessGroup | None = None
@@ -73,15 +77,31 @@ class SequenceParallel:
 
 def check_sp(sp) -> None:
     if not isinstance(sp, SequenceParallel):
-        from .errors import RingSeqError
-
         raise RingSeqError(f"sp must be the SequenceParallel that ringseq.init returned, got {type(sp).__name__}: "
                            f"sp = ringseq.init(sp_size=...) once per process, then pass sp=sp")
 
 
-def grid(world: int, sp_size: int, ulysses_size: int) -> torch.Tensor:
-    """[data, ring, ulysses] tensor of global ranks, row-major (the last axis fastest)."""
-    return torch.arange(world).reshape(world // sp_size, sp_size // ulysses_size, ulysses_size)
+def grid(world: int, sp_size: int, ulysses_size: int, nodes: list | None = None) -> torch.Tensor:
+    """[data, ring, ulysses] tensor of global ranks, row-major (the last axis fastest), over the
+    ranks in node order (``nodes[r]``: rank r's node; None: one node, the identity order): the
+    ranks of a node are adjacent in the grid, so a Ulysses group and a sequence group that fit
+    in a node stay in it, and a ring longer than a node crosses nodes in as few hops as it can."""
+    order = list(range(world))
+    if nodes is not None:
+        first = {}
+        for r, node in enumerate(nodes):
+            first.setdefault(node, r)
+        order.sort(key=lambda r: (first[nodes[r]], r))
+    ranks = torch.tensor(order).reshape(world // sp_size, sp_size // ulysses_size, ulysses_size)
+    if nodes is not None and ulysses_size > 1:
+        for group in axis_lists(ranks, "ulysses"):
+            if len({nodes[r] for r in group}) > 1:
+                per_node = min(sum(1 for n in nodes if n == node) for node in set(nodes))
+                raise RingSeqError(f"the Ulysses group of global ranks {group} would span nodes "
+                                   f"{sorted({str(nodes[r]) for r in group})}: its all-to-all must stay on a node's "
+                                   f"fast links. Choose a ulysses_size that divides the {per_node} ranks per node "
+                                   f"(the ring crosses nodes instead)")
+    return ranks
 
 
 def axis_lists(ranks: torch.Tensor, axis: str) -> list[list[int]]:
@@ -123,24 +143,31 @@ def _build_groups(lists: list[list[int]], me: int, made: dict, **options):
     return mine
 
 
-def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *, timeout: float | None = None,
-         backend: str | None = None) -> SequenceParallel:
+def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigzag", *, timeout: float | None = None,
+         backend: str | None = None, config: RingSeqConfig | None = None) -> SequenceParallel:
     """Carve the world into sequence groups and return this rank's ``SequenceParallel``.
 
-    ``sp_size`` ranks hold one sequence: ``sp_size / ulysses_size`` of them form a ring, and
-    inside each ring position ``ulysses_size`` adjacent ranks split heads by all-to-all.
-    The remaining factor, ``world / sp_size``, is data parallelism. ``timeout``: seconds any
-    ringseq wait may take before it raises ``RingSeqError`` (None: ``RINGSEQ_TIMEOUT``, else
-    600). Joins the launcher's process group (torchrun, deepspeed, accelerate; on CUDA after
-    binding ``LOCAL_RANK``'s GPU), or starts a one-process world.
+    ``sp_size`` ranks hold one sequence (None: the whole world): ``sp_size / ulysses_size`` of
+    them form a ring, and inside each ring position ``ulysses_size`` adjacent ranks split heads
+    by all-to-all. The remaining factor, ``world / sp_size``, is data parallelism. ``timeout``:
+    seconds any ringseq wait may take before it raises ``RingSeqError`` (None:
+    ``RINGSEQ_TIMEOUT``, else 600). ``config``: a ``ringseq.config.RingSeqConfig`` instead of
+    the other settings (``ringseq.init(config=ringseq.config.from_env())`` reads ``RINGSEQ_*``).
+    Joins the launcher's process group (torchrun, deepspeed, accelerate; on CUDA after binding
+    ``LOCAL_RANK``'s GPU), or starts a one-process world.
     """
     from .mpu import SequenceParallelMPU
 
-    config = RingSeqConfig(sp_size=sp_size, ulysses_size=ulysses_size, layout=layout, timeout=timeout)
+    given = RingSeqConfig(sp_size=sp_size, ulysses_size=ulysses_size, layout=layout, timeout=timeout)
+    if config is not None and given != RingSeqConfig():
+        raise RingSeqError("ringseq.init takes either config= or the settings (sp_size, ulysses_size, layout, "
+                           "timeout), not both")
+    config = config or given
     ensure_process_group(backend)
     world, me = dist.get_world_size(), dist.get_rank()
     config.check_world(world)
-    ranks = grid(world, sp_size, ulysses_size)
+    sp_size, ulysses_size, layout = config.sp_size or world, config.ulysses_size, config.layout
+    ranks = grid(world, sp_size, ulysses_size, _nodes(world))
     coord = [int(c) for c in (ranks == me).nonzero()[0]]
 
     made: dict = {}
@@ -160,7 +187,29 @@ def init(sp_size: int, ulysses_size: int = 1, layout: str = "zigzag", *, timeout
         dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=ranks.size(0), layout=layout,
         ring_group=ring_group, ring_rank=coord[1], ring_size=ranks.size(1), ring_ranks=ring_ranks,
         ulysses_group=ulysses_group, ulysses_rank=uly_ranks.index(me), ulysses_size=ulysses_size,
-        grad_group=dist.group.WORLD, timeout=config.resolved_timeout(), check_group=check_group)
+        grad_group=dist.group.WORLD, timeout=config.resolved_timeout(), stats=config.resolved_stats(),
+        check_group=check_group)
     mpu = SequenceParallelMPU(**{k: fields[k] for k in (
         "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
     return SequenceParallel(**fields, mpu=mpu)
+
+
+def _nodes(world: int) -> list | None:
+    """Every rank's node (one all-gather at init), or None for a world of one node."""
+    if world == 1:
+        return None
+    nodes = [None] * world
+    dist.all_gather_object(nodes, node_key(os.environ))
+    return nodes if len(set(nodes)) > 1 else None
+
+
+def resolve(sp, section: RingSeqConfig | None = None) -> SequenceParallel:
+    """The ``SequenceParallel`` a client (Trainer, SFTTrainer, ``ringseq.initialize``) runs on:
+    ``sp`` as given (checked against a ds_config ``"ringseq"`` section), else one built from the
+    section, else from ``RINGSEQ_*`` (default: one sequence over the whole world)."""
+    if sp is None:
+        return init(config=section or from_env())
+    check_sp(sp)
+    if section is not None:
+        section.check_matches(sp)
+    return sp

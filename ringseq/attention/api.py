@@ -13,7 +13,7 @@ from ringseq.sharding import gather
 from . import keep
 from .checks import call_record, check_features, check_shapes, check_sp, check_tensors, check_token_info, dtype_code
 from .masks import TokenInfo, documents
-from .ring import RingAttention, RingOptions
+from .ring import CallNumbers, RingAttention, RingOptions
 from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
 
 
@@ -90,48 +90,55 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     number = lockstep.agree(sp, "ring_attention forward", fields)  # before anything can fail on one rank only
     layer = lockstep.current_layer()
     label = f"ring_attention #{number}" + (f" (layer {layer})" if layer >= 0 else "")
+    # The ranks agreed on every argument: a check that fails now fails on every rank alike (still in step)
+    opts = _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info,
+                    kernel, slab_rows, label, number)
     try:
-        out = _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask,
-                              token_info, kernel, slab_rows, label)
-    except BaseException:
-        lockstep.mark_failed(sp, True)
+        out = _run(q, k, v, sinks, sp, opts)
+    except BaseException as exc:
+        lockstep.mark_failed(sp, f"{label}: {type(exc).__name__}: {exc}")
         raise
-    return AgreeInBackward.apply(out, sp, fields, layer) if out.requires_grad else out
+    return AgreeInBackward.apply(out, sp, fields, layer, opts.numbers) if out.requires_grad else out
 
 
 class AgreeInBackward(torch.autograd.Function):
     """Identity on the output whose backward agrees the call's backward across the group first,
     before any of its all-to-alls or ring transfers (a rank that skipped a backward, or runs a
-    different one, makes every rank raise)."""
+    different one, makes every rank raise); its lockstep number tags the backward's transfers."""
 
     @staticmethod
-    def forward(ctx, out, sp, fields, layer):
-        ctx.sp, ctx.fields, ctx.layer = sp, fields, layer
+    def forward(ctx, out, sp, fields, layer, numbers):
+        ctx.sp, ctx.fields, ctx.layer, ctx.numbers = sp, fields, layer, numbers
         return out.view_as(out)
 
     @staticmethod
     def backward(ctx, grad):
         with lockstep.layer(ctx.layer):
-            lockstep.agree(ctx.sp, "ring_attention backward", {**ctx.fields, "grad dtype": dtype_code(grad)})
-        return grad, None, None, None
+            ctx.numbers.backward = lockstep.agree(ctx.sp, "ring_attention backward",
+                                                  {**ctx.fields, "grad dtype": dtype_code(grad)})
+        return grad, None, None, None, None
 
 
-def _ring_attention(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info,
-                    kernel, slab_rows, label):
+def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info, kernel,
+             slab_rows, label, number) -> RingOptions:
     check_tensors(q, k, v, sinks)
     check_shapes(q, k, v, sp)
-    check_features(q, causal, window, softcap, sinks)
+    check_features(q, causal, scale, window, softcap, sinks)
     if token_info is None:
         token_info = _token_info_or_none(sp, position_ids, attention_mask)
     elif position_ids is not None or attention_mask is not None:
         raise RingSeqError("pass either token_info or position_ids/attention_mask, not both")
     check_token_info(token_info, q.size(0), q.size(2) * sp.size)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    opts = RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
+    return RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
                        softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,
-                       sp=sp, label=label, kept=keep.current())
+                       sp=sp, label=label, kept=keep.current(), numbers=CallNumbers(forward=number))
+
+
+def _run(q, k, v, sinks, sp, opts: RingOptions):
+    """The ring, or Ulysses around the ring."""
     U = sp.ulysses_size
     if U == 1:
         return RingAttention.apply(q, k, v, sinks, opts)

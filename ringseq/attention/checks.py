@@ -1,6 +1,8 @@
 """Argument checks of ``ring_attention``: every problem a ``RingSeqError`` that names the fix."""
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ringseq.errors import RingSeqError
@@ -32,7 +34,10 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
                            f"{sp.size} ranks: shard the sequence with ringseq.shard")
 
 
-def check_features(q, causal, window, softcap, sinks) -> None:
+def check_features(q, causal, scale, window, softcap, sinks) -> None:
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf):
+        raise RingSeqError(f"scale must be a positive finite number (the factor on q.k; None: 1/sqrt(head dim)), "
+                           f"got {scale!r}")
     if window is not None:
         if not causal:
             raise RingSeqError("window (sliding-window attention) is defined for causal attention "

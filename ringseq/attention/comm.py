@@ -5,7 +5,14 @@ is no barrier and no device synchronize inside the ring loop. Every transfer als
 one-integer status (0: fine, 1: the sender or a rank before it failed during this call), so a
 rank whose block kernel raised still completes the ring's transfers and its peers learn of
 the failure instead of computing on with a stale block (``ringseq.attention.ring``). Waits are
-bounded by ``sp.timeout`` (``ringseq.lockstep.wait``).
+bounded by ``sp.timeout`` (``ringseq.lockstep.wait``); a transfer that cannot even be posted
+(a peer's process is gone) is a ``RingSeqError`` naming that peer. Each transfer is tagged with
+its call's lockstep number and ring step, so a message left over from a failed call never pairs
+with a later call's.
+
+The ring takes its transport as an argument (``RingOptions.transport``): this class by default,
+another with the same interface where a caller runs the ring some other way (the GPU check's
+virtual ring of threads).
 """
 from __future__ import annotations
 
@@ -21,12 +28,15 @@ class RingComm:
     """Send to the next rank of the ring, receive from the previous one.
 
     ``ranks`` are the global ranks of the ring in ring order; ``me`` is this rank's index;
-    ``sp`` gives the timeout; ``label`` names the call in errors; ``ledger`` (``ringseq.stats``)
-    gets the time spent waiting.
+    ``sp`` gives the timeout; ``label`` names the call in errors; ``clock`` (``ringseq.ledger``)
+    gets the time spent waiting; ``tag`` is the call's lockstep number (transfers are tagged
+    with it and their step).
     """
 
-    def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, sp, label: str, ledger, device):
-        self.group, self.ranks, self.me, self.sp, self.label, self.ledger = group, ranks, me, sp, label, ledger
+    def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, sp, label: str, clock, device,
+                 tag: int = 0):
+        self.group, self.ranks, self.me, self.sp, self.label, self.clock = group, ranks, me, sp, label, clock
+        self.tag = tag
         self.status = torch.zeros(1, dtype=torch.int64, device=device)
         """1 once this rank failed or heard of a failure during this call (sent with every transfer)."""
         self._buffers: dict[str, list] = {}
@@ -50,9 +60,16 @@ class RingComm:
         to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
         sends = [t.contiguous() for t in tensors] + [self.status.clone()]
         recvs = self._next_buffers(kind, sends, sets)
-        ops = [dist.P2POp(dist.isend, t, to, self.group) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, frm, self.group) for t in recvs]
-        return Transfer(self, dist.batch_isend_irecv(ops), recvs, sends, step, frm)
+        tag = _tag(self.tag, kind, step, P)
+        ops = [dist.P2POp(dist.isend, t, to, self.group, tag) for t in sends]
+        ops += [dist.P2POp(dist.irecv, t, frm, self.group, tag) for t in recvs]
+        since = time.time()
+        try:
+            works = dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
+            raise lockstep.transport_error(self.sp, what, to, exc, since) from exc
+        return Transfer(self, works, recvs, sends, step, frm)
 
     def _next_buffers(self, kind: str, like: list[torch.Tensor], count: int = 2) -> list[torch.Tensor]:
         sets = self._buffers.get(kind, [])
@@ -69,6 +86,15 @@ class RingComm:
         return bool(self.status.item())
 
 
+KIND_CODES = {"kv": 0, "dkv": 1}
+
+
+def _tag(number: int, kind: str, step: int, P: int) -> int:
+    """A transfer's tag: its call's lockstep number, its kind and its step (gloo pairs a receive
+    with a send of the same tag only; NCCL ignores tags and orders by stream)."""
+    return ((number * len(KIND_CODES) + KIND_CODES.get(kind, 0)) * (P + 1) + step) % (2**31 - 1)
+
+
 class Transfer:
     def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int):
         self._comm, self._works, self._received, self._sent = comm, works, received, sent
@@ -80,7 +106,7 @@ class Transfer:
         what = f"ring step {self._step + 1} of {comm.label}: the block from global rank {self._peer}"
         for work in self._works:
             lockstep.wait(work, comm.sp, what, peer=self._peer)
-        comm.ledger.wait_s += time.perf_counter() - start
+        comm.clock.time("wait_s", start)
         self._sent = None
         *received, status = self._received
         torch.maximum(comm.status, status, out=comm.status)

@@ -29,13 +29,22 @@ import torch.distributed as dist
 
 from ringseq import lockstep
 from ringseq.errors import RingSeqError
-from ringseq.stats import Clock, ledger
+from ringseq.ledger import Clock
 
 from .comm import RingComm
 from .kernels import BlockSpec, for_call
 from .kernels.common import LSE, acc_dtype
 from .masks import RowMask, TokenInfo
 from .schedule import rank_schedule
+
+
+@dataclasses.dataclass
+class CallNumbers:
+    """The lockstep numbers of one ring call's forward and backward (their transfers' tags);
+    the backward's is known only when its agreement has run."""
+
+    forward: int = 0
+    backward: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +69,11 @@ class RingOptions:
     """The call in errors: its lockstep number and layer."""
     kept: object = dataclasses.field(default=None, compare=False)
     """The ``keep.Kept`` store of the checkpointed layer this call runs in (None: not checkpointed)."""
+    numbers: CallNumbers = dataclasses.field(default_factory=CallNumbers, compare=False)
+    """The call's lockstep numbers (tags of its transfers)."""
+    transport: object = RingComm
+    """What carries the blocks: ``RingComm`` (torch.distributed point-to-point) or any class with
+    its constructor and ``post``/``fail``/``failed`` (the GPU check passes a virtual ring of threads)."""
 
     @property
     def P(self) -> int:
@@ -69,15 +83,16 @@ class RingOptions:
 class _Schedule:
     """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
 
-    def __init__(self, q, opts: RingOptions):
+    def __init__(self, q, opts: RingOptions, number: int):
         B, _, s, _ = q.shape
         self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
         plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
         self.steps, self.plan = plan.steps, plan.calls
         self.comm = None
-        self.clock = Clock(ledger(opts.sp))
+        self.clock = Clock(opts.sp)
         if self.steps > 1:
-            self.comm = RingComm(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock.book, q.device)
+            self.comm = opts.transport(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock, q.device,
+                                       tag=number)
         self.error: BaseException | None = None
         """The exception this rank's block compute raised; the ring's transfers go on without compute."""
         self.work: list[list] = [[] for _ in self.plan]
@@ -115,10 +130,10 @@ class _Schedule:
         """Raise this rank's own failure, or a peer's, now that every transfer is done."""
         self.clock.book.calls += 1
         if self.error is not None:
-            lockstep.mark_failed(self.opts.sp, True)
+            lockstep.mark_failed(self.opts.sp, f"{self.opts.label}: {type(self.error).__name__}: {self.error}")
             raise self.error
         if self.comm is not None and self.comm.failed():
-            lockstep.mark_failed(self.opts.sp, True)
+            lockstep.mark_failed(self.opts.sp)
             raise RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
                                f"see that rank's error): this rank stops too instead of using its blocks")
 
@@ -152,7 +167,7 @@ def _fold_sinks(out, lse, sinks):
 
 def ring_forward(q, k, v, sinks, opts: RingOptions):
     """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel)."""
-    sched = _Schedule(q, opts)
+    sched = _Schedule(q, opts, opts.numbers.forward)
     B, H, s, D = q.shape
     acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
@@ -195,7 +210,7 @@ def _accumulate(total, rows: slice, grad, shape, dtype, travels: bool):
 def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
     opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
-    sched = _Schedule(q, opts)
+    sched = _Schedule(q, opts, opts.numbers.backward)
     acc = acc_dtype(q)
     # The gradient arrives as a [B,H,s,D] view of [B,s,H,D] memory (transformers' layout). The
     # CPU flash kernel works in that layout and copies a contiguous dout back into it, so on CPU

@@ -5,7 +5,8 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import assert_shards_close, sdpa_reference, shared_init
+from ringseq.reference import attention
+from ringseq.testing import assert_shards_close, shared_init
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -22,8 +23,8 @@ def make_qkv(B, H, K, S, D, seed=0):
 def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0, slab_rows=None):
     """ringseq's out, dq, dk, dv on this rank's shard vs the float64 full-sequence reference."""
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
-    ref = sdpa_reference(q, k, v, dout, causal=causal)
-    plain = sdpa_reference(*(t.to(dtype) for t in (q, k, v, dout)), causal=causal)
+    ref = attention(q, k, v, dout, causal=causal, sdpa=True)[:4]
+    plain = attention(*(t.to(dtype) for t in (q, k, v, dout)), causal=causal, sdpa=True)[:4]
     local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
     out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel, slab_rows=slab_rows)
     out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))

@@ -1,13 +1,14 @@
 """Bodies of the mask/feature tests (documents, padding, windows, softcap, sinks, Ulysses).
 
-The reference is written from the definitions alone (dense float64 math on the full
-sequence), not from ringseq's mask code."""
+The reference (``ringseq.reference.attention``) is written from the definitions alone (dense
+float64 math on the full sequence), not from ringseq's mask code."""
 import contextlib
 
 import torch
 import torch.distributed as dist
 
 import ringseq
+from ringseq.reference import attention as reference
 from ringseq.testing import assert_close, assert_shards_close, rounding, shared_init
 
 from .cases import DTYPES, make_qkv
@@ -37,68 +38,6 @@ def padding_mask(B, S, seed):
         else:
             mask[b, :n] = 0
     return mask
-
-
-def _with_sink(vis: torch.Tensor) -> torch.Tensor:
-    """[B, S, S] visibility -> [B, S, S + 1] with the sink column visible to every query."""
-    return torch.cat([vis, torch.ones_like(vis[..., :1])], -1)
-
-
-def reference(q, k, v, dout, *, causal, window=None, softcap=None, sinks=None, position_ids=None,
-              attention_mask=None, scale=None, sdpa=False):
-    """Dense attention from the definitions, in the inputs' dtype; returns (out, dq, dk, dv, dsinks).
-
-    ``sdpa=True`` hands the dense mask to ``scaled_dot_product_attention`` instead of doing the
-    softmax by hand: the plain same-dtype computation an unpatched model runs for masks alone
-    (transformers' sdpa path). Sinks then join as one extra key with value 0 whose additive
-    mask column holds the sink logit (exactly a sink; the sinks' own gradient still comes from
-    the hand-written path, as SDPA's fused kernels give no mask gradient). Softcap always takes
-    the hand-written path (eager), as transformers does."""
-    q, k, v = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
-    sinks = None if sinks is None else sinks.detach().clone().requires_grad_(True)
-    B, H, S, D = q.shape
-    G = H // k.size(1)
-    scale = D ** -0.5 if scale is None else scale
-    i, j = torch.arange(S)[:, None], torch.arange(S)[None, :]
-    vis = torch.ones(B, S, S, dtype=torch.bool)
-    if causal:
-        vis &= j <= i
-    if window is not None:
-        vis &= (i - j) < window
-    if position_ids is not None:
-        starts = torch.ones(B, S, dtype=torch.bool)
-        starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-        doc = torch.cumsum(starts.long(), 1)
-        vis &= doc[:, :, None] == doc[:, None, :]
-    if attention_mask is not None:
-        vis &= attention_mask.bool()[:, None, :]
-    if sdpa and softcap is None:
-        mask, kk, vv = vis[:, None], k, v
-        if sinks is not None:  # the sink as a key of value 0 whose score is its logit
-            mask = torch.zeros(B, H, S, S + 1, dtype=q.dtype).masked_fill(~_with_sink(vis)[:, None], float("-inf"))
-            mask[..., -1] = sinks.detach().to(q.dtype)[None, :, None]
-            zero = q.new_zeros(B, k.size(1), 1, D)
-            kk, vv = torch.cat([k, zero], 2), torch.cat([v, zero], 2)
-        out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scale,
-                                                               enable_gqa=G > 1)
-        out.backward(dout)
-        dsinks = None
-        if sinks is not None:
-            dsinks = reference(q, k, v, dout, causal=causal, window=window, sinks=sinks, position_ids=position_ids,
-                               attention_mask=attention_mask, scale=scale)[4]
-        return out.detach(), q.grad, k.grad, v.grad, dsinks
-    s = q @ k.repeat_interleave(G, 1).transpose(-1, -2) * scale
-    if softcap is not None:
-        s = softcap * torch.tanh(s / softcap)
-    s = s.masked_fill(~vis[:, None], float("-inf"))
-    if sinks is not None:
-        s = torch.cat([s, sinks.to(s.dtype)[None, :, None, None].expand(B, H, S, 1)], -1)
-    p = torch.softmax(s, -1).nan_to_num(0.0)
-    if sinks is not None:
-        p = p[..., :-1]
-    out = p @ v.repeat_interleave(G, 1)
-    out.backward(dout)
-    return out.detach(), q.grad, k.grad, v.grad, None if sinks is None else sinks.grad
 
 
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
@@ -263,3 +202,4 @@ def window_skips_ring_steps():
             assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
     finally:
         dist.batch_isend_irecv = real
+

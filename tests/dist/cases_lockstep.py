@@ -11,6 +11,7 @@ import torch.distributed as dist
 import ringseq
 from ringseq import lockstep
 from ringseq.attention import ring
+from ringseq.reference import attention
 from ringseq.testing import shared_init
 
 from .cases import make_qkv
@@ -88,6 +89,10 @@ def skipped_layer_and_backward_are_refused():
                 ringseq.ring_attention(q, k, v, sp=sp)
 
     _raises(layers, "out of step", "layer: rank 0 0, rank", "ring_attention forward")
+    # the ranks failed at different points (layer 0 and layer 1): every call refuses until a resync point
+    _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), "out of step", "ringseq.resync(sp, step)")
+    ringseq.resync(sp, 1)
+    ringseq.ring_attention(q, k, v, sp=sp)  # in step again
 
     def skipped_backward():
         out = ringseq.ring_attention(q, k, v, sp=sp)
@@ -97,6 +102,7 @@ def skipped_layer_and_backward_are_refused():
             ringseq.ring_attention(q, k, v, sp=sp)
 
     _raises(skipped_backward, "out of step", "ring_attention backward", "ring_attention forward")
+    ringseq.resync(sp, 2)
     ids = torch.arange(4 * world)[None]
     batch = {"input_ids": ids, **({"labels": ids} if odd else {})}
     _raises(lambda: ringseq.shard_batch(batch, sp=sp), "labels dtype: rank 0 None, rank", "same full batch")
@@ -142,10 +148,11 @@ def failure_fails_the_group(where: str):
         assert "injected" in str(first), first
     else:
         assert isinstance(first, ringseq.RingSeqError), first
-        assert "failed on another rank" in str(first) or "raised (see its error)" in str(first), first
+        assert "failed on another rank" in str(first) or "had a ringseq call fail" in str(first), first
     outcomes = []
-    for _ in range(3):  # every rank swallows its error and calls again
+    for _ in range(3):  # every rank swallows its error and goes on with the loop's next step
         try:
+            ringseq.resync(sp, 1)  # a raw loop's resync point: the ranks meet at the same step again
             out = ringseq.ring_attention(q, k, v, sp=sp)
             break
         except ringseq.RingSeqError as exc:
@@ -154,7 +161,7 @@ def failure_fails_the_group(where: str):
         raise AssertionError(f"the group never got back in step: {outcomes}")
     # no rank got a result while another was out of step: all succeed at the same ringseq collective
     numbers = [torch.zeros(1, dtype=torch.long) for _ in range(world)]
-    dist.all_gather(numbers, torch.tensor([lockstep._counters[sp.ranks]]))
+    dist.all_gather(numbers, torch.tensor([lockstep.state(sp).number]))
     assert len({int(n) for n in numbers}) == 1, (numbers, outcomes)
     assert all("out of step" in text for text in outcomes), outcomes
     assert torch.equal(out, ref)
@@ -225,12 +232,95 @@ def straggler_is_named(delay: float = 0.25, calls: int = 4):
             if sp.rank == world - 1:
                 time.sleep(delay)
             ringseq.ring_attention(q, k, v, sp=sp)
+    ringseq.resync(sp, 0)  # one more collective: every rank's records now carry its ledger after the calls
     report = ringseq.stats(sp=sp, reset=True)
     assert [r["calls"] for r in report["ranks"]] == [calls] * world, report
     if world > 1:
         assert report["slowest_rank"] == world - 1, report
         assert abs(report["wait_for_slowest_s"] - delay * calls) <= 0.2 * delay * calls, report
     assert ringseq.stats(sp=sp)["ranks"][sp.rank]["calls"] == 0  # reset
+
+
+def raw_loop_out_of_step(steps: int = 6):
+    """A raw loop that swallows errors. At step 1 the last rank raises outside ringseq between its
+    forward and backward and goes on to step 2, while the others meet its step-2 forward with
+    their step-1 backward: every rank raises, and the ranks are now a step apart. Without a
+    resync point every later call raises on every rank (none gives a result); with
+    ``ringseq.resync(sp, step)`` at the top of each step the rank behind skips a step and the
+    group is exact from the step they meet at."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    odd = sp.rank == world - 1
+
+    def inputs(step):
+        (q, k, v), dout = _inputs(sp, seed=step)
+        return q, k, v, dout
+
+    def run(step, resync):
+        if resync:
+            ringseq.resync(sp, step)
+        q, k, v, dout = inputs(step)
+        out = ringseq.ring_attention(q, k, v, sp=sp)
+        if odd and step == 1 and not resync:
+            raise ValueError("a user error between the forward and the backward")
+        out.backward(dout)
+        return out.detach()
+
+    outcome = {}
+    for step in range(steps):
+        try:
+            outcome[step] = run(step, resync=False)
+        except (ringseq.RingSeqError, ValueError) as exc:
+            outcome[step] = exc
+    failed = [s for s, o in outcome.items() if not torch.is_tensor(o)]
+    assert failed == list(range(1, steps)), (sp.rank, {s: str(o)[:120] for s, o in outcome.items()})
+    # the same loop with a resync point at each step: back in step, then exact
+    start, end = steps + (1 if odd else 0), steps + 4  # the last rank is a step ahead, as the failure left it
+    results = {}
+    for step in range(start, end):
+        try:
+            results[step] = run(step, resync=True)
+        except ringseq.RingSeqError as exc:
+            results[step] = str(exc)
+    met = [s for s, o in results.items() if torch.is_tensor(o)]
+    assert met == list(range(steps + 1, end)), (sp.rank, results)
+    for step in met:  # against the full-sequence reference (no collective: the ranks ran different steps)
+        q, k, v, _ = make_qkv(B, H, K, 16 * sp.size, D, step)
+        ref = ringseq.shard(attention(q, k, v, causal=True), 2, sp=sp)
+        assert (results[step].double() - ref).abs().max() < 1e-5, (sp.rank, step)
+
+
+def stats_on_one_rank():
+    """``ringseq.stats`` communicates nothing: a callback that logs on rank 0 alone leaves the
+    group in step (its all-gather used to pair with a peer's next agreement)."""
+    sp = shared_init(sp_size=dist.get_world_size())
+    (q, k, v), dout = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
+    if sp.rank == 0:
+        report = ringseq.stats(sp=sp)
+        assert len(report["ranks"]) == sp.size and report["ranks"][1]["calls"] >= 1, report
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # every rank: still in step
+
+
+def raises_before_the_ring(timeout: float):
+    """A rank whose ring call raises after the agreement but before its first transfer: its
+    peer, left waiting, names it and quotes its error (from the note it left in the store)."""
+    sp = ringseq.init(sp_size=dist.get_world_size(), timeout=timeout)
+    (q, k, v), _ = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp)
+    original = ring.rank_schedule
+    if sp.rank == 1:
+        def failing(*args, **kwargs):
+            raise RuntimeError("injected before the ring")
+
+        ring.rank_schedule = failing
+    try:
+        ringseq.ring_attention(q, k, v, sp=sp)
+    except (RuntimeError, ringseq.RingSeqError) as exc:
+        return str(exc)
+    finally:
+        ring.rank_schedule = original
+    return ""
 
 
 def misuse_is_refused():
@@ -258,3 +348,12 @@ def misuse_is_refused():
     _raises(lambda: ringseq.shard_batch({"input_ids": ids, "position_ids": ids.float()}, sp=sp), "position_ids")
     local_mask = torch.full((B, 16), 3)
     _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, attention_mask=local_mask), "0 (padding) and 1")
+    for scale in (0.0, -0.1, float("nan"), float("inf")):  # aten's CPU flash kernel gives NaN rows for scale <= 0
+        _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, scale=scale), "scale must be a positive finite")
+    _raises(lambda: ringseq.shard_batch([{"input_ids": ids}], sp=sp), "a batch is a dict", "collate")
+    _raises(lambda: ringseq.shard_batch({"input_ids": ids[:0]}, sp=sp), "the batch is empty")
+    _raises(lambda: ringseq.stats(sp=None), "SequenceParallel")
+    _raises(lambda: lockstep.layer("a").__enter__(), "layer index")
+    for timeout in (float("inf"), 1e-4, float("nan")):
+        _raises(lambda: ringseq.init(sp_size=world, timeout=timeout), "finite number of seconds", "at least 0.001")
+    _raises(lambda: ringseq.resync(sp, 1.5), "step number")

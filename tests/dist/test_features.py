@@ -39,3 +39,4 @@ def test_window_and_local_documents_skip_ring_steps(pool):
 
 def test_flex_block_masks_forward_match_reference(pool2):
     pool2.run(cases.flex_forward_matrix, ["zigzag", "striped"])
+

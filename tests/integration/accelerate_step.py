@@ -15,7 +15,7 @@ from ringseq.testing import assert_updates_close
 
 
 def main():
-    sp = ringseq.config.from_env().init()
+    sp = ringseq.init(config=ringseq.config.from_env())
     accelerator = ringseq.prepare_accelerator(sp=sp)
     S, dp = 16 * sp.size, sp.dp_size
     model = tiny_llama()

@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import ringseq.patches.patch as patched  # noqa: E402
+import ringseq.patches.forward as patched  # noqa: E402
 from check_model import make_batches, make_model  # noqa: E402,F401
 
 _loss = patched.chunked_cross_entropy

@@ -1,17 +1,18 @@
 """Patched models of every tested family against the unpatched model on the whole sequence."""
 import pytest
 
-from . import cases_hf
+from . import cases_batches, cases_memory, cases_parity
+from .hf_models import FAMILIES
 
 
 @pytest.mark.parametrize("family,layout", [
     (family, layout) if layout == "zigzag" or family in ("llama", "gemma2") else
     pytest.param(family, layout, marks=pytest.mark.slow)  # the contiguous layout: two families by default
-    for family in cases_hf.FAMILIES for layout in ("zigzag", "contiguous")])
+    for family in FAMILIES for layout in ("zigzag", "contiguous")])
 def test_family_matches_unpatched(pool2, pool4, family, layout):
-    pool2.run(cases_hf.parity, family, layout)
+    pool2.run(cases_parity.parity, family, layout)
     if layout == "zigzag":  # world 4 once per family; the contiguous layout at world 4 runs in the packed cases
-        pool4.run(cases_hf.parity, family, layout)
+        pool4.run(cases_parity.parity, family, layout)
 
 
 @pytest.mark.parametrize("family,kind", [
@@ -19,8 +20,8 @@ def test_family_matches_unpatched(pool2, pool4, family, layout):
     pytest.param("gemma2", "padded", marks=pytest.mark.slow), pytest.param("gpt_oss", "packed", marks=pytest.mark.slow),
     ("gpt_oss", "padded")])
 def test_packed_and_padded_batches(pool2, pool4, family, kind):
-    pool2.run(cases_hf.parity, family, "zigzag", kind)
-    pool4.run(cases_hf.parity, family, "contiguous", kind)
+    pool2.run(cases_parity.parity, family, "zigzag", kind)
+    pool4.run(cases_parity.parity, family, "contiguous", kind)
 
 
 SLOW = pytest.mark.slow
@@ -32,27 +33,27 @@ SLOW = pytest.mark.slow
     pytest.param("bf16", "gemma2", "plain", marks=SLOW), ("bf16", "gpt_oss", "padded"),
     pytest.param("fp16", "gpt_oss", "padded", marks=SLOW)])
 def test_autocast_matches_unpatched_under_autocast(pool2, family, kind, dtype):
-    pool2.run(cases_hf.autocast_parity, family, dtype, kind)
+    pool2.run(cases_parity.autocast_parity, family, dtype, kind)
 
 
 @pytest.mark.parametrize("layout,kind", [("zigzag", "plain"), ("striped", "packed"), ("contiguous", "padded")])
 def test_lengths_the_layout_cannot_split_are_padded(pool2, pool4, layout, kind):
-    pool2.run(cases_hf.parity, "llama", layout, kind, 16, 3)
-    pool4.run(cases_hf.parity, "mistral", layout, kind, 16, 5)
+    pool2.run(cases_parity.parity, "llama", layout, kind, 16, 3)
+    pool4.run(cases_parity.parity, "mistral", layout, kind, 16, 5)
 
 
 @pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
 def test_peft_adapters_in_either_order(pool2, pool4, order):
-    pool2.run(cases_hf.peft_in_either_order, order)
-    pool4.run(cases_hf.peft_in_either_order, order)
+    pool2.run(cases_parity.peft_in_either_order, order)
+    pool4.run(cases_parity.peft_in_either_order, order)
 
 
 def test_unpatch_restores_the_model(pool2):
-    pool2.run(cases_hf.unpatch_restores)
+    pool2.run(cases_parity.unpatch_restores)
 
 
 def test_unsupported_models_are_refused(pool2):
-    pool2.run(cases_hf.refuses_unsupported_models)
+    pool2.run(cases_parity.refuses_unsupported_models)
 
 
 @pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first,keep", [
@@ -65,24 +66,37 @@ def test_gradient_checkpointing_never_replays_the_ring(pool2, pool4, family, til
     patching, transformers' offload option) keep their ring outputs: the backward makes exactly the
     ring posts of the non-checkpointed backward; with tiled MLPs too; exact against the unpatched model.
     keep_ring_outputs=False replays each layer's ring, exactly."""
-    pool2.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
+    pool2.run(cases_memory.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
     if family == "llama" and keep:
-        pool4.run(cases_hf.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
+        pool4.run(cases_memory.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
 
 
 def test_tiled_mlp_refuses_what_it_cannot_tile(pool2):
-    pool2.run(cases_hf.tiled_mlp_refusals)
+    pool2.run(cases_memory.tiled_mlp_refusals)
 
 
 def test_manual_path_with_shard_batch(pool2, pool4):
-    pool2.run(cases_hf.manual_path)
-    pool4.run(cases_hf.manual_path)
+    pool2.run(cases_batches.manual_path)
+    pool4.run(cases_batches.manual_path)
 
 
 def test_chunked_loss_is_exact(pool2):
-    pool2.run(cases_hf.chunked_loss_is_exact)
+    pool2.run(cases_memory.chunked_loss_is_exact)
 
 
 def test_different_batches_in_a_group_are_refused(pool2, pool4):
-    pool2.run(cases_hf.different_batches_are_refused)
-    pool4.run(cases_hf.different_batches_are_refused)
+    pool2.run(cases_batches.different_batches_are_refused)
+    pool4.run(cases_batches.different_batches_are_refused)
+
+
+@pytest.mark.parametrize("case", ["backward", "skipped batch"])
+def test_ranks_out_of_step_resync_at_the_next_batch(pool2, case):
+    pool2.run(cases_batches.out_of_step_ranks_resync_at_the_next_batch, case)
+
+
+def test_labels_without_a_target_give_nan_as_unpatched(pool2):
+    pool2.run(cases_batches.labels_without_a_target_give_nan)
+
+
+def test_a_patched_model_can_be_copied(pool2):
+    pool2.run(cases_batches.copies_of_a_patched_model)

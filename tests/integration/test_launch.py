@@ -104,3 +104,21 @@ def test_deepspeed_with_data_parallel_replicas_and_checkpoints():
 @pytest.mark.slow  # ZeRO-1's checkpoint goes through the same save/resume glue as ZeRO-3's above
 def test_deepspeed_zero_1_checkpoint_resumes_at_another_shape():
     deepspeed_cases(4, "stage=1,sp=2,checkpoint,resume_sp=4")
+
+
+def test_two_nodes_keep_ulysses_on_a_node_and_a_hybrid_step_is_exact():
+    """Two torchrun "nodes" on this machine (rendezvous on localhost, 2 processes each): the
+    groups init builds, and an exact Ulysses x ring step whose ring crosses the nodes."""
+    from ringseq.processes import free_port
+
+    port = str(free_port())
+    nodes = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node_rank", str(n),
+                               "--nproc_per_node", "2", "--master_addr", "127.0.0.1", "--master_port", port,
+                               "tests/integration/two_nodes.py"], cwd=ROOT, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env={**os.environ, **ONE_THREAD})
+             for n in (0, 1)]
+    outs = [p.communicate(timeout=300) for p in nodes]
+    for p, (out, err) in zip(nodes, outs):
+        assert p.returncode == 0, out[-2000:] + err[-3000:]
+    text = "".join(out for out, _ in outs)
+    assert text.count(": exact") == 4 and "rank 3 on node 1: ulysses [2, 3], ring [1, 3]" in text, text

@@ -5,21 +5,17 @@ here against a CPU stand-in for aten's flash varlen ops, written from flash-attn
 rule (cumulative lengths, bottom-right window, lse +inf for a row without keys); ``flex``'s
 backward (the block recomputed under autograd, fed the merge's gradients) runs against a dense
 stand-in for FlexAttention. Both go through ringseq's ring loop on 4 virtual ranks
-(``benchmarks/gpu_check.py``) in float64, where the result must match the reference to 1e-9:
-any slip in the glue shows up as an O(1) error. The kernels themselves run in gpu_check.py.
+(``ringseq.attention.virtual``) in float64, where the result must match the reference
+(``ringseq.reference``) to 1e-9: any slip in the glue shows up as an O(1) error. The kernels
+themselves run in benchmarks/gpu_check.py.
 """
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
 from ringseq.attention.kernels import cuda_varlen, flex
-
-ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-gpu_check = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(gpu_check)
+from ringseq.attention.masks import TokenInfo, documents
+from ringseq.attention.virtual import virtual_ring
+from ringseq.reference import attention
 
 
 def _segments(cu_q, cu_k):
@@ -117,10 +113,24 @@ def test_ring_with_the_cuda_backends_glue_is_exact(cuda_on_cpu, kernel, feature)
     kw = dict(CASES[feature])
     if kernel == "flex":
         kw["softcap"] = 3.0
-    c = gpu_check.make_case(2, 4, 2 if "GQA" in feature else 4, 64, 16, seed=len(feature), **kw)
-    ref = gpu_check.reference(c, torch.float64, "cpu")
+    B, H, K, S, D = 2, 4, 2 if "GQA" in feature else 4, 64, 16
+    g = torch.Generator().manual_seed(len(feature))
+    q, dout = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(B, K, S, D, generator=g, dtype=torch.float64) for _ in range(2))
+    sinks = torch.randn(H, generator=g, dtype=torch.float64) if kw.get("sinks") else None
+    pos = mask = None
+    if kw.get("packed"):  # documents of 5..20 tokens
+        pos = torch.tensor([sum((list(range(int(n))) for n in torch.randint(5, 21, (S,), generator=g)), [])[:S]
+                            for _ in range(B)])
+    if kw.get("padded"):  # left padding of 1..15 tokens
+        mask = torch.ones(B, S, dtype=torch.long)
+        for b in range(B):
+            mask[b, :int(torch.randint(1, 16, (1,), generator=g))] = 0
+    feats = dict(window=kw.get("window"), softcap=kw.get("softcap"))
+    ref = attention(q, k, v, dout, causal=True, sinks=sinks, position_ids=pos, attention_mask=mask, **feats)[:4]
+    info = TokenInfo(doc=None if pos is None else documents(pos), valid=None if mask is None else mask.bool())
     for layout in ("zigzag", "striped"):
-        got = gpu_check.virtual_ring(c, torch.float64, "cpu", P=4, layout=layout, kernel=kernel)
+        got = virtual_ring(q, k, v, dout, P=4, layout=layout, info=info, sinks=sinks, kernel=kernel, **feats)
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
             err = (g - r).abs().max().item()
             assert err < 1e-9 * max(1.0, r.abs().max().item()), (kernel, feature, layout, name, err)

@@ -46,8 +46,13 @@ def test_a_forced_kernel_is_refused_only_for_a_call_it_cannot_apply():
         select("cuda", bf16, 64, "cuda_varlen", call=NOT_RUNS)
     with pytest.raises(RingSeqError, match="cannot apply a softcap"):
         select("cuda", bf16, 64, "cuda_varlen", call=CAP)
-    with pytest.raises(RingSeqError, match="cannot apply cpu float32"):
+    # the message names what is wrong: the device, the dtype, the head dim
+    with pytest.raises(RingSeqError, match=r"cannot apply inputs on cpu \(it runs on cuda only\); use"):
+        select("cpu", bf16, 64, "cuda_flash", call=Need())
+    with pytest.raises(RingSeqError, match=r"cuda only\) and float32 inputs \(it takes float16 or bfloat16\)"):
         select("cpu", fp32, 64, "cuda_flash", call=Need())
+    with pytest.raises(RingSeqError, match=r"cannot apply head dim 512 \(too large for it\)"):
+        select("cuda", bf16, 512, "cuda_flash", call=Need())
     assert select("cpu", fp32, 64, "flex", call=Need(masked=True, softcap=True)).name == "flex"
     with pytest.raises(RingSeqError, match="unknown kernel"):
         select("cpu", fp32, 64, "triton")

@@ -58,7 +58,7 @@ def need(spec: BlockSpec, device_type: str, B: int, n: int, m: int) -> Need:
 def _cannot(backend, device_type: str, dtype: torch.dtype, head_dim: int, call: Need) -> str | None:
     """Why ``backend`` cannot run this call, or None."""
     if not backend.applies(device_type, dtype, head_dim):
-        return f"{device_type} {str(dtype).removeprefix('torch.')} inputs of head dim {head_dim}"
+        return _unfit(backend, device_type, dtype, head_dim)
     if call.masked and not backend.takes_mask:
         return "a mask (packed documents, padding or a window that cuts the block)"
     if call.softcap and not backend.takes_softcap:
@@ -66,6 +66,27 @@ def _cannot(backend, device_type: str, dtype: torch.dtype, head_dim: int, call: 
     if backend is CudaVarlen and call.masked and not call.runs:
         return "a mask that is not variable-length runs (padding inside a document, or windows that differ between samples)"
     return None
+
+
+DEVICES, DTYPES = ("cpu", "cuda"), (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _unfit(backend, device_type: str, dtype: torch.dtype, head_dim: int) -> str:
+    """Which of device, dtype and head dim keeps ``backend`` from these inputs, in words."""
+    def names(dtypes):
+        return " or ".join(str(t).removeprefix("torch.") for t in dtypes)
+
+    fits = backend.applies
+    wrong = []
+    devices = [d for d in DEVICES if any(fits(d, t, h) for t in DTYPES for h in (64, head_dim))]
+    if device_type not in devices:
+        wrong.append(f"inputs on {device_type} (it runs on {' or '.join(devices)} only)")
+    dtypes = [t for t in DTYPES if any(fits(d, t, h) for d in DEVICES for h in (64, head_dim))]
+    if dtype not in dtypes:
+        wrong.append(f"{names([dtype])} inputs (it takes {names(dtypes)})")
+    if not any(fits(d, t, head_dim) for d in DEVICES for t in DTYPES):
+        wrong.append(f"head dim {head_dim} (too large for it)")
+    return " and ".join(wrong) or f"{device_type} {names([dtype])} inputs of head dim {head_dim}"
 
 
 def select(device_type: str, dtype: torch.dtype, head_dim: int, name: str | None = None, *, call: Need = Need()):

@@ -1,0 +1,135 @@
+"""The patched model's forward: the full batch in (on every rank of the sequence group), the
+global loss and this rank's logits out (shapes: ``ringseq.shapes``).
+
+It shards the batch once (``ringseq.batch.sharded``: the ``ShardedBatch`` every layer, the
+loss, the fused head and the metrics read), runs the model's own decoder on this rank's shard
+with the ``ShardedBatch`` as the ``ringseq`` keyword argument (transformers hands it to every
+attention function, also on a checkpointed layer's recompute), and computes the loss as local
+sum / global count.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ringseq import lockstep
+from ringseq.batch import ShardedBatch, sharded
+from ringseq.errors import RingSeqError
+from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
+
+from . import checkpointing
+
+# What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
+# description of the packed documents, which ringseq reads from position_ids instead.
+PACKING_METADATA = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
+
+
+def _final_softcap(config):
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def _logits(model, hidden):
+    logits = model.get_output_embeddings()(hidden)
+    cap = _final_softcap(model.config)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits
+
+
+def _drop_packing_metadata(kwargs: dict, position_ids) -> None:
+    given = [k for k in PACKING_METADATA if kwargs.get(k) is not None]
+    if given and position_ids is None:
+        raise RingSeqError(f"{', '.join(given)} describe packed documents, which ringseq reads from position_ids "
+                           f"(a document starts where they do not count up): pass position_ids")
+    for k in PACKING_METADATA:
+        kwargs.pop(k, None)
+
+
+def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
+           ringseq) -> tuple[dict, ShardedBatch]:
+    """This rank's inputs and the batch's facts: sharded here from the full batch, or as
+    ``ringseq.shard_batch`` made them (its ``labels`` are then already shifted)."""
+    if ringseq is None:
+        full = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
+        return sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
+                       documents_apart=handle.documents_apart)
+    if not isinstance(ringseq, ShardedBatch):
+        raise RingSeqError(f"ringseq= must be what ringseq.shard_batch put in the batch, got {type(ringseq).__name__}")
+    if labels is not None and shift_labels is not None:
+        raise RingSeqError("a batch from ringseq.shard_batch carries shifted labels; pass labels or shift_labels, "
+                           "not both")
+    targets = shift_labels if shift_labels is not None else labels
+    facts = ringseq.apart(handle.documents_apart)
+    local = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "position_ids": position_ids,
+             "attention_mask": attention_mask, "labels": targets}
+    if targets is None:  # the caller took the labels out: logits only
+        facts = dataclasses.replace(facts, labels=None, count=None)
+    elif targets is not facts.labels:  # labels of the caller's own: count them over the group
+        facts = dataclasses.replace(facts, labels=targets, count=count_targets(targets, handle.sp))
+    return local, facts
+
+
+def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
+            shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
+            fused_lm_head=False, logits_fn=None, **kwargs):
+    """Patched forward: the full batch in (on every rank of the sequence group), the global loss
+    and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
+    ``ringseq``) is taken as it is; its ``labels`` are already shifted. ``fused_lm_head=True``
+    (TRL's fused LM head) returns per-token log-probabilities instead (``patches.fused_head``).
+    ``logits_fn(logits, labels)`` (a Trainer's ``preprocess_logits_for_metrics``) is applied to
+    this rank's logits a slab of tokens at a time and ``logits`` is its result for the whole
+    sequence in global order: full-vocabulary logits of the shard are never held."""
+    handle = self._ringseq_patch
+    if past_key_values is not None or use_cache:
+        raise RingSeqError("a patched model trains on whole sequences: KV caches (use_cache, past_key_values) "
+                           "are not supported; ringseq.unpatch(model) before generating")
+    if kwargs.get("output_attentions"):
+        raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
+    _drop_packing_metadata(kwargs, position_ids)
+    unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
+    local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
+                          ringseq)
+    checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
+    try:
+        out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                                 position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
+    except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)
+        lockstep.mark_failed(handle.sp, f"the patched forward: {type(exc).__name__}: {exc}")
+        raise
+    hidden, targets = out.last_hidden_state, batch.labels
+    count = num_items_in_batch if num_items_in_batch is not None else batch.count
+    if fused_lm_head:
+        from .fused_head import fused_outputs
+
+        return fused_outputs(self, batch, hidden, drop_last=unshifted, num_items_in_batch=num_items_in_batch)
+    loss = logits = None
+    if targets is not None and (handle.chunked_loss or logits_fn is not None):
+        loss = chunked_cross_entropy(hidden, targets, self.get_output_embeddings(), sp=handle.sp, count=count,
+                                     final_softcap=_final_softcap(self.config))
+    elif logits_fn is None:
+        logits = _logits(self, hidden)
+        if targets is not None:
+            loss = cross_entropy(logits, targets, sp=handle.sp, num_items_in_batch=count)
+    if logits_fn is not None:
+        logits = _preprocessed(self, hidden, batch.raw_labels if unshifted else None, logits_fn, batch)
+    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
+
+
+def _preprocessed(model, hidden, labels, fn, batch: ShardedBatch):
+    """fn(logits, labels) slab by slab over this rank's tokens, gathered into global order."""
+    B, s = hidden.shape[:2]
+    step = max(1, slab_tokens(model.config.get_text_config().vocab_size) // B)
+    parts = []
+    with torch.no_grad():
+        for a in range(0, s, step):
+            part = fn(_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
+            if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, hidden[:, a:a + step].size(1)):
+                raise RingSeqError("preprocess_logits_for_metrics must work token by token under ringseq (it is "
+                                   "applied to slabs of logits [B, n, V] and must return [B, n, ...], e.g. "
+                                   f"logits.argmax(-1)); it returned {type(part).__name__} "
+                                   f"{tuple(getattr(part, 'shape', ()))}")
+            parts.append(part)
+    return batch.gather(torch.cat(parts, 1))

@@ -1,0 +1,137 @@
+"""``ringseq.patch`` / ``ringseq.unpatch``: one reversible change to a transformers causal LM.
+
+What is patched, and why: the model's attention implementation becomes "ringseq"
+(``set_attn_implementation``, through the registry), and the model instance gets its own
+``forward`` (an instance attribute; the class is untouched): ``patches.forward``, which shards
+the full batch and runs the model's own decoder on this rank's shard. ``unpatch`` deletes the
+instance attribute and restores the previous attention implementation, leaving the model
+exactly as it was. A patched model can be deep-copied (an EMA or a reference model): the copy
+is patched over the same sequence group.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+
+import torch
+
+from ringseq.errors import RingSeqError
+from ringseq.topology import check_sp
+
+from . import checkpointing, checks, tiled_mlp as tiling
+from .documents import isolates_documents
+from .forward import forward as _forward
+from .registry import NAME, register
+
+
+@dataclasses.dataclass(kw_only=True)
+class PatchHandle:
+    """Attached to a patched model as ``model._ringseq_patch``."""
+
+    sp: object
+    previous_attn_implementation: str
+    chunked_loss: bool
+    documents_apart: bool = True
+    """Whether the unpatched model keeps packed documents apart (``patches.documents``)."""
+    previous_forward: object = None
+    """An instance-level forward that was there before (e.g. TRL's fused LM head), restored by
+    ``unpatch``; None when the model used its class's forward."""
+    tiled_mlp: object = None
+    """None (MLPs untouched), True or a number of tiles per shard (``patches.tiled_mlp``)."""
+    offload: bool = False
+    """Whether checkpointing offloads to host memory (transformers' option; ``patches.checkpointing``)."""
+    keep_ring_outputs: bool = True
+    """Whether checkpointed layers keep their ring outputs (False: their recompute replays the ring)."""
+
+    def __deepcopy__(self, memo):
+        # the sequence group (process groups) is shared, never copied: a copied model trains on the same ranks
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return PatchHandle(**{k: v if k == "sp" else copy.deepcopy(v, memo) for k, v in fields.items()})
+
+
+def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
+    """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
+
+    Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
+    sequence group, shards the batch itself and returns the exact global loss. Logits: with
+    labels and ``chunked_loss`` (default) the loss is computed slab by slab from the final
+    hidden states and ``logits`` is None (full-vocabulary logits of the whole shard are never
+    held); otherwise ``logits`` is this rank's shard [B, s, V], in the layout's token order.
+    ``tiled_mlp`` (None: off; True: one tile per hidden_size tokens; an int: tiles per shard)
+    runs every decoder MLP in sequence tiles, each recomputed in backward (``patches.tiled_mlp``).
+    Checkpointing (``gradient_checkpointing_enable``, before or after patching) never replays the
+    ring: checkpointed layers keep each ring call's output and log-sum-exp
+    (``patches.checkpointing``); ``keep_ring_outputs=False`` trades that speed for memory (one
+    q-sized tensor per layer less; the recompute replays the ring). Patching twice only updates
+    ``sp`` and the options (and puts the patched forward back if something replaced it since).
+    Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
+    reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
+    patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
+    """
+    check_sp(sp)
+    tiling.check(tiled_mlp)
+    if not isinstance(model, torch.nn.Module):
+        raise RingSeqError(f"ringseq.patch takes a transformers model object, got {type(model).__name__}: load it "
+                           f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is not None:
+        handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
+        if tiled_mlp != handle.tiled_mlp:
+            tiling.uninstall(model)
+            if tiled_mlp is not None:
+                tiling.install(model, tiled_mlp)
+            handle.tiled_mlp = tiled_mlp
+        if getattr(vars(model).get("forward"), "__func__", None) is not _forward:
+            model.forward = types.MethodType(_forward, model)
+        return model
+    checks.check(model)
+    if tiled_mlp is not None:
+        tiling.mlps(model)  # refuses MLPs it cannot tile before anything changes
+    register()
+    handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
+                         chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
+                         keep_ring_outputs=bool(keep_ring_outputs))
+    model.set_attn_implementation(NAME)
+    try:
+        handle.documents_apart = isolates_documents(model)
+    except BaseException:
+        model.set_attn_implementation(handle.previous_attn_implementation)
+        raise
+    model._ringseq_patch = handle
+    model.forward = types.MethodType(_forward, model)
+    if tiled_mlp is not None:
+        tiling.install(model, tiled_mlp)
+        handle.tiled_mlp = tiled_mlp
+    checkpointing.watch_offload(_transformers_model(model), handle)
+    return model
+
+
+def _transformers_model(model):
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def options(model) -> dict:
+    """The ``patch`` options a model was patched with ({} if it is not patched): what ringseq's
+    Trainer, SFTTrainer and ``initialize`` pass on when they (re)patch a model the user patched."""
+    handle = getattr(model, "_ringseq_patch", None)
+    return {} if handle is None else {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
+                                      "keep_ring_outputs": handle.keep_ring_outputs}
+
+
+def unpatch(model):
+    """Restore a patched model exactly (no-op for a model that is not patched)."""
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is None:
+        return model
+    model.set_attn_implementation(handle.previous_attn_implementation)
+    tiling.uninstall(model)
+    checkpointing.unwrap(_transformers_model(model))
+    checkpointing.unwrap(model)
+    if handle.previous_forward is None:
+        del model.forward
+    else:
+        model.forward = handle.previous_forward
+    del model._ringseq_patch
+    return model

@@ -1,0 +1,51 @@
+"""The releases ringseq supports, in one place: ``setup.cfg`` states the same ranges (a unit test
+holds them equal) and ``constraints.txt`` pins the versions CI tests.
+
+Where ringseq overrides a library's private hook (Accelerate's ``_prepare_deepspeed`` and
+shared state, DeepSpeed's ZeRO-3 partitioning and its CPU comm buffers, TRL's fused LM head,
+transformers' attention and mask registries), the code that does it calls ``require`` first, so
+a release outside the tested range is refused with the fix instead of half-working.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+
+from packaging.version import Version
+
+from .errors import RingSeqError
+
+RANGES = {
+    "torch": ("2.13", "3"),
+    "transformers": ("5.0", "6"),  # its AttentionInterface / AttentionMaskInterface and decoder signatures
+    "deepspeed": ("0.19.8", "0.20"),  # zero.Init(module=...) and the reductions measured in deepspeed_glue
+    "accelerate": ("1.15", "2"),  # Accelerator._prepare_deepspeed, PartialState._shared_state
+    "trl": ("1.16", "2"),  # the fused LM head on every device (1.15 has it for Triton devices only)
+    "peft": ("0.18", "1"),  # PEFT before 0.18 does not import under transformers 5
+}
+"""package -> (lowest supported release, first release not supported)."""
+
+EXTRAS = {"trl": ("trl", "peft")}
+"""setup.cfg's extras and the packages they bring."""
+
+
+def problem(package: str, version: str | None = None) -> str | None:
+    """Why the installed (or given) version of ``package`` is not supported, or None."""
+    low, high = RANGES[package]
+    if version is None:
+        try:
+            version = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            extra = next((e for e, members in EXTRAS.items() if package in members), None)
+            how = f'pip install "ringseq[{extra}]"' if extra else f"pip install '{package}>={low},<{high}'"
+            return f"{package} is not installed: {how}"
+    if not Version(low) <= Version(version) < Version(high):
+        return (f"{package} {version} is outside the range ringseq supports (>= {low}, < {high}): "
+                f"pip install '{package}>={low},<{high}'")
+    return None
+
+
+def require(package: str, what: str) -> None:
+    """Refuse ``what`` (a sentence naming the feature) on an unsupported release of ``package``."""
+    found = problem(package)
+    if found:
+        raise RingSeqError(f"{what} needs a supported {package}: {found}")
