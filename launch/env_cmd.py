@@ -21,7 +21,11 @@ def _features():
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("env", help="print versions, backends and kernel choices")
+    p = sub.add_parser("env", help="print versions, backends and kernel choices",
+                       description="Print the versions of Python, ringseq, torch, DeepSpeed, transformers and "
+                                   "Accelerate, the communication backends (gloo, nccl), the devices and CPU threads, "
+                                   "and the block kernel ringseq picks for each device, dtype and attention feature "
+                                   "(the CUDA choices are shown on every machine). Takes no arguments.")
     p.set_defaults(run=run)
 
 

@@ -15,19 +15,27 @@ import sys
 from pathlib import Path
 
 from ringseq.config import ENV, RingSeqConfig
+from ringseq.layouts import LAYOUTS
 from ringseq.processes import free_port
 
 LAUNCHERS = ("torchrun", "deepspeed", "accelerate")
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("launch", help="run a training script under torchrun, deepspeed or accelerate")
+    p = sub.add_parser("launch", help="run a training script under torchrun, deepspeed or accelerate",
+                       description="Start a script under a real launcher on this machine, on a free port, with "
+                                   "RINGSEQ_SP_SIZE, RINGSEQ_ULYSSES_SIZE and RINGSEQ_LAYOUT set (read by "
+                                   "ringseq.init(config=ringseq.config.from_env()) in the script). The exit status "
+                                   "is the launcher's.")
     p.add_argument("--sp", type=int, default=None, help="sequence-parallel size (default: --nproc)")
-    p.add_argument("--ulysses", type=int, default=1, help="Ulysses degree inside each sequence group")
-    p.add_argument("--layout", default="zigzag", help="zigzag, striped or contiguous")
-    p.add_argument("--nproc", type=int, default=2, help="processes on this machine")
-    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun")
-    p.add_argument("-m", "--module", action="store_true", help="the target is a module, not a script")
+    p.add_argument("--ulysses", type=int, default=1,
+                   help="Ulysses degree inside each sequence group (default: %(default)s)")
+    p.add_argument("--layout", choices=LAYOUTS, default="zigzag",
+                   help="how a sequence is split over the ring (default: %(default)s)")
+    p.add_argument("--nproc", type=int, default=2, help="processes on this machine (default: %(default)s)")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="torchrun", help="the launcher (default: %(default)s)")
+    p.add_argument("-m", "--module", action="store_true",
+                   help="the target is a module, not a script (default: a script)")
     p.add_argument("script", help="the training script (or module with -m)")
     p.add_argument("args", nargs="...", help="arguments for the script")
     p.set_defaults(run=run)

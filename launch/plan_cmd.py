@@ -1,27 +1,68 @@
 """``ringseq plan``: predicted memory, step time and the best shape for a model on a cluster."""
 from __future__ import annotations
 
+import argparse
 import json
+import re
+from fractions import Fraction
+
+from ringseq.layouts import LAYOUTS
+from ringseq.planner import presets
+
+SUFFIXES = {"": 1, "k": 1024, "m": 1024**2}
+"""Token-count suffixes, binary as context lengths are named: 128K = 131,072, 1M = 1,048,576."""
+
+
+def tokens(text: str) -> int:
+    """A token count: ``1000000``, ``1_000_000``, ``1,000,000``, or with K or M (binary): ``128K``, ``1M``, ``1.5M``."""
+    found = re.fullmatch(r"(\d+(?:\.\d+)?)([kKmM]?)", text.strip().replace("_", "").replace(",", ""))
+    count = Fraction(found.group(1)) * SUFFIXES[found.group(2).lower()] if found else Fraction(0)
+    if count < 1 or count.denominator != 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of tokens: give 1000000, or a number "
+                                         "with K or M, binary (128K = 131072, 1M = 1048576)")
+    return int(count)
+
+
+def hardware_name(text: str) -> str:
+    """A hardware preset in any case: ``H100`` is ``h100``."""
+    return text.strip().lower()
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("plan", help="predict memory, step time and the best ring x Ulysses shape")
-    p.add_argument("--model", required=True, help="config.json of the model (or its folder)")
-    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
-    p.add_argument("--gpus", type=int, required=True, help="devices in all")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--hardware", default="h100", help="preset: h100, h200, a100, cpu")
-    p.add_argument("--zero-stage", type=int, default=3)
-    p.add_argument("--sp-size", type=int, default=None, help="ranks per sequence (default: all gpus)")
-    p.add_argument("--layout", default="zigzag")
-    p.add_argument("--inference", action="store_true", help="one forward (prefill) instead of a training step")
-    p.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (ring outputs kept)")
-    p.add_argument("--tiled-mlp", type=int, default=None, help="MLP tiles")
-    p.add_argument("--offload", action="store_true", help="optimizer state in host memory")
-    p.add_argument("--intra-gbps", type=float, default=None, help="override: GB/s per device inside a node")
-    p.add_argument("--inter-gbps", type=float, default=None, help="override: GB/s per device across nodes")
-    p.add_argument("--tflops", type=float, default=None, help="override: peak TFLOP/s per device")
-    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p = sub.add_parser("plan", help="predict memory, step time and the best ring x Ulysses shape",
+                       description="Predict per-rank memory, step time, efficiency and exposed communication of every "
+                                   "ring x Ulysses shape of one training step, and recommend the fastest that fits "
+                                   "in device memory. When none fits it says so, and names the flags below "
+                                   "(--checkpointing, --tiled-mlp N, --offload, --zero-stage 3, --gpus N) that would "
+                                   "make one fit, saying which one alone is enough. Formulas: docs/planner.md.")
+    p.add_argument("--model", required=True, help="config.json of the model, or its folder (required)")
+    p.add_argument("--seq-len", type=tokens, required=True,
+                   help="tokens per sequence (required): a whole number, or with K or M, binary as context lengths "
+                        "are named: 128K = 131072, 1M = 1048576 (give 1000000 for a million)")
+    p.add_argument("--gpus", type=int, required=True, help="devices in all (required)")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="devices per node (default: %(default)s)")
+    p.add_argument("--hardware", type=hardware_name, choices=sorted(presets()), default="h100",
+                   help="device preset, any case (default: %(default)s)")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
+                   help="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights "
+                        "(default: %(default)s)")
+    p.add_argument("--sp-size", type=int, default=None,
+                   help="ranks per sequence; the others are data-parallel replicas (default: all gpus)")
+    p.add_argument("--layout", choices=LAYOUTS, default="zigzag",
+                   help="how a sequence is split over the ring (default: %(default)s)")
+    p.add_argument("--inference", action="store_true",
+                   help="cost one forward (a prefill) instead of a training step (default: a training step)")
+    p.add_argument("--checkpointing", action="store_true",
+                   help="gradient checkpointing; ringseq keeps the ring outputs (default: off)")
+    p.add_argument("--tiled-mlp", type=int, default=None, metavar="N",
+                   help="compute each MLP in N sequence tiles, recomputed in backward (default: off)")
+    p.add_argument("--offload", action="store_true", help="optimizer state in host memory (default: off)")
+    p.add_argument("--intra-gbps", type=float, default=None,
+                   help="GB/s per device inside a node (default: the preset's)")
+    p.add_argument("--inter-gbps", type=float, default=None,
+                   help="GB/s per device across nodes (default: the preset's)")
+    p.add_argument("--tflops", type=float, default=None, help="peak TFLOP/s per device (default: the preset's)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON (default: a table)")
     p.set_defaults(run=run)
 
 
@@ -36,13 +77,15 @@ def make_plan(args):
 
 
 def table(p) -> str:
+    """The shapes, one row each, and the advice with its fixes named as this command's flags."""
     rows = [f"{'mode':<14}{'ulysses':>8}{'ring':>6}{'step s':>10}{'eff':>7}{'exposed s':>11}{'GiB/rank':>10}"]
     for e in p.modes:
         rows.append(f"{e.name:<14}{e.ulysses:>8}{e.ring:>6}{e.step_time_s:>10.3g}{e.efficiency:>7.1%}"
                     f"{e.exposed_comm_s:>11.3g}{e.memory_per_rank_gb:>10.1f}")
     rows.append(f"tokens per rank {p.tokens_per_rank:.0f}; a ring step hides its transfer from "
                 f"{p.min_tokens_per_rank_for_overlap:.0f} tokens per rank")
-    rows.append(f"recommended: {p.recommendation.reason}")
+    advice = p.recommendation.cli_reason
+    rows.append(f"recommended: {advice}" if p.fits else advice)
     return "\n".join(rows)
 
 

@@ -2,16 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 
 from ringseq.errors import RingSeqError
+from ringseq.lengths import check_layout, padded_length
 
 from . import cost, memory
 from .features import Features
 from .hardware import Hardware, hardware as get_hardware
 from .model_spec import ModelSpec, model_spec
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
 
 
 class _Fields:
@@ -46,11 +47,32 @@ class ModeEstimate(_Fields):
 
 
 @dataclasses.dataclass(frozen=True)
+class Fix(_Fields):
+    """A change of ``plan``'s inputs after which a shape fits in device memory."""
+
+    changes: dict
+    """``plan`` keywords and their new values, e.g. ``{"checkpointing": True}`` or ``{"gpus": 128}``."""
+    mode: str
+    """The fastest shape that fits with the change."""
+    memory_per_rank_gb: float
+    step_time_s: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Recommendation(_Fields):
+    """The fastest shape that fits; when none fits, the fastest one and what would make one fit."""
+
     mode: str
     ring: int
     ulysses: int
     reason: str
+    """Why this shape, or that none fits and what would, with fixes named as ``plan`` keywords
+    (``checkpointing=True``)."""
+    cli_reason: str = ""
+    """``reason`` with the fixes named as ``ringseq plan`` flags (``--checkpointing``), as that command prints it."""
+    fixes: tuple = ()
+    """When no shape fits: every memory switch that alone is enough (else the fewest together that
+    are), fastest first, and the gpu count that is enough with the switches as asked (``Fix`` each)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,8 +104,7 @@ def ulysses_sizes(m: ModelSpec, P: int) -> list[int]:
 def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int, G: int, per_node: int,
              layout: str, causal: bool = True) -> ModeEstimate:
     """Time and memory of one shape; S is padded to the multiple the layout needs."""
-    multiple = (2 * R if layout == "zigzag" else R) * U
-    S = math.ceil(S / multiple) * multiple
+    S = padded_length(layout, int(math.ceil(S)), R, U)
     P = R * U
     s = S / P
     on_host = min(G, per_node)
@@ -119,28 +140,104 @@ def _check(seq_len, gpus, gpus_per_node, sp_size, layout):
     if gpus % sp_size:
         raise RingSeqError(f"sp_size {sp_size} does not divide gpus {gpus}: gpus must be data x sequence "
                            f"(choose sp_size among {[d for d in range(1, gpus + 1) if gpus % d == 0]})")
-    if layout not in LAYOUTS:
-        raise RingSeqError(f"unknown layout {layout!r}: choose one of {list(LAYOUTS)}")
+    check_layout(layout)
     if seq_len < sp_size:
         raise RingSeqError(f"seq_len {seq_len} is shorter than sp_size {sp_size}: use fewer sequence ranks")
 
 
-def _recommend(modes: list[ModeEstimate], hw: Hardware, f: Features, chosen: int | None) -> tuple[ModeEstimate, str]:
-    fitting = [e for e in modes if e.memory_per_rank_gb <= hw.memory_gb]
+SWITCHES = {"checkpointing": True, "tiled_mlp": 4, "offload": True, "zero_stage": 3}
+"""The memory switches a fix may turn on, each with the value it proposes."""
+MORE_GPUS = 10  # a fix may double the gpus (and the ranks per sequence) up to 2**10 times
+
+
+def keywords(changes: dict) -> str:
+    """A fix as ``plan`` keywords: ``checkpointing=True, tiled_mlp=4``."""
+    return ", ".join(f"{k}={v!r}" for k, v in changes.items())
+
+
+def flags(changes: dict) -> str:
+    """A fix as ``ringseq plan`` flags: ``--checkpointing --tiled-mlp 4``."""
+    return " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changes.items())
+
+
+def _fixes(shapes, f: Features, limit: float, *, S: int, G: int, P: int, per_node: int) -> tuple[Fix, ...]:
+    """What makes a shape fit in ``limit`` GiB: the memory switches that are off, one at a time
+    (else the fewest together), fastest first; then the fewest doublings of the gpus (and of the
+    ranks per sequence) with the switches as asked. ``shapes(features, G, P)`` costs the shapes."""
+    def fix(changes: dict, features: Features, gpus: int = G, sp: int = P) -> Fix | None:
+        fitting = [e for e in shapes(features, gpus, sp) if e.memory_per_rank_gb <= limit]
+        if not fitting:
+            return None
+        best = min(fitting, key=lambda e: e.step_time_s)
+        return Fix(changes=changes, mode=best.name, memory_per_rank_gb=best.memory_per_rank_gb,
+                   step_time_s=best.step_time_s)
+
+    on = {"checkpointing": f.checkpointing, "tiled_mlp": f.tiled_mlp is not None, "offload": f.offload,
+          "zero_stage": f.zero_stage == 3}
+    off = [k for k in SWITCHES if not on[k]]
+    found: list[Fix] = []
+    for n in range(1, len(off) + 1):
+        tried = ({k: SWITCHES[k] for k in names} for names in itertools.combinations(off, n))
+        found = sorted(filter(None, (fix(c, dataclasses.replace(f, **c)) for c in tried)), key=lambda x: x.step_time_s)
+        if found:
+            break
+    for k in range(1, MORE_GPUS + 1):
+        gpus, sp = G << k, P << k
+        if sp > S:
+            break
+        if gpus <= per_node or gpus % per_node == 0:
+            more = fix({"gpus": gpus, **({"sp_size": sp} if sp != gpus else {})}, f, gpus, sp)
+            if more:
+                found.append(more)
+                break
+    return tuple(found)
+
+
+def _reason(best: ModeEstimate, others: list[ModeEstimate], asked: bool, limit: float, fixes: tuple[Fix, ...],
+            spell) -> str:
+    """The recommendation in words, the fixes spelled by ``spell`` (``keywords`` or ``flags``)."""
+    shape = f"{best.name} (ulysses {best.ulysses} x ring {best.ring})"
+    speed = (f"{best.step_time_s:.3g} s/step at {best.efficiency:.0%} efficiency, {best.exposed_comm_s:.3g} s of "
+             "exposed communication")
+    if best.memory_per_rank_gb <= limit:
+        why = "the ulysses_size asked for" if asked else "the fastest shape that fits"
+        text = f"{shape}: {why}, {speed}, {best.memory_per_rank_gb:.1f} GiB per rank of {limit:g}"
+        return text + (f"; next {others[0].name} at {others[0].step_time_s:.3g} s" if others else "")
+
+    def said(x: Fix, verb: str) -> str:
+        return (f"{spell(x.changes)} {verb} ({x.mode}: {x.memory_per_rank_gb:.1f} GiB per rank, "
+                f"{x.step_time_s:.3g} s/step)")
+
+    what = "the ulysses_size asked for does not fit" if asked else "no shape fits"
+    text = (f"{what} in {limit:g} GiB per rank: {'' if asked else 'the fastest, '}{shape}, needs "
+            f"{best.memory_per_rank_gb:.1f} GiB ({speed})")
+    switches = [x for x in fixes if "gpus" not in x.changes]
+    more = [x for x in fixes if "gpus" in x.changes]
+    if switches and len(switches[0].changes) == 1:
+        text += "".join(f"; {said(x, 'alone is enough' if i == 0 else 'alone is enough too')}"
+                        for i, x in enumerate(switches))
+    elif switches:
+        text += "; no single switch is enough" + "".join(f"; {said(x, 'together are enough')}" for x in switches[:3])
+    if more:
+        text += ("; or, with the switches as asked, " if switches else "; ") + said(more[0], "is enough")
+    if not fixes:
+        text += (f"; no switch, and no gpu count up to {2 ** MORE_GPUS}x this one, makes a shape fit: shorten the "
+                 "sequence or use devices with more memory")
+    return text
+
+
+def _recommend(modes: list[ModeEstimate], limit: float, chosen: int | None, fixes) -> tuple:
+    """(best shape, Recommendation): the fastest shape that fits (of Ulysses size ``chosen``, when
+    given); ``fixes()`` is asked what would make one fit only when none does."""
+    fitting = [e for e in modes if e.memory_per_rank_gb <= limit]
     pool = [e for e in modes if e.ulysses == chosen] if chosen else (fitting or modes)
     best = min(pool, key=lambda e: e.step_time_s)
     others = sorted((e for e in modes if e is not best), key=lambda e: e.step_time_s)
-    why = "the ulysses_size asked for" if chosen else "fastest shape that fits" if fitting else "fastest shape"
-    reason = (f"{best.name} (ulysses {best.ulysses} x ring {best.ring}): {why}, {best.step_time_s:.3g} s/step at "
-              f"{best.efficiency:.0%} efficiency, {best.exposed_comm_s:.3g} s of exposed communication")
-    if others:
-        reason += f"; next {others[0].name} at {others[0].step_time_s:.3g} s"
-    if best.memory_per_rank_gb > hw.memory_gb:
-        switches = (("checkpointing=True", f.checkpointing), ("tiled_mlp=4", f.tiled_mlp),
-                    ("offload=True", f.offload), ("zero_stage=3", f.zero_stage == 3))
-        fixes = ["add gpus"] + [fix for fix, on in switches if not on]
-        reason += f"; needs {best.memory_per_rank_gb:.1f} GiB per rank of {hw.memory_gb:g}: {', '.join(fixes)}"
-    return best, reason
+    found = () if best.memory_per_rank_gb <= limit else fixes()
+    asked = chosen is not None
+    return best, Recommendation(mode=best.name, ring=best.ring, ulysses=best.ulysses,
+                                reason=_reason(best, others, asked, limit, found, keywords),
+                                cli_reason=_reason(best, others, asked, limit, found, flags), fixes=found)
 
 
 def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: str | Hardware = "h100",
@@ -152,6 +249,8 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
     dict of its fields or a path to config.json) on sequences of ``seq_len`` tokens over ``gpus``
     devices (``gpus_per_node`` per node), one sequence group of ``sp_size`` ranks (default: all)
     per sequence; every ring x Ulysses shape is costed and the fastest that fits recommended.
+    When none fits, ``recommendation`` names the fastest, says that it does not fit and lists in
+    ``fixes`` what would (the memory switches alone or together, more gpus).
     ``optimizer=False`` costs forward + backward alone (no Adam state, no gradient reduction)."""
     m = model_spec(model)
     sp_size = gpus if sp_size is None else sp_size
@@ -165,11 +264,18 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
                            f"({m.H} query heads, {m.K} kv heads): choose one of {sizes}")
     modes = [estimate(m, hw, f, S=seq_len, R=sp_size // U, U=U, G=gpus, per_node=gpus_per_node, layout=layout)
              for U in sizes]
-    best, reason = _recommend(modes, hw, f, ulysses_size)
+
+    def shapes(features: Features, G: int, P: int) -> list[ModeEstimate]:
+        """The shapes a fix may pick from: those of the Ulysses size asked for, else all."""
+        return [estimate(m, hw, features, S=seq_len, R=P // U, U=U, G=G, per_node=gpus_per_node, layout=layout)
+                for U in ([ulysses_size] if ulysses_size else ulysses_sizes(m, P))]
+
+    best, rec = _recommend(modes, hw.memory_gb, ulysses_size,
+                           lambda: _fixes(shapes, f, hw.memory_gb, S=seq_len, G=gpus, P=sp_size,
+                                          per_node=gpus_per_node))
     share = cost.step_shares(2, layout, True)[1]
     crosses = sp_size > gpus_per_node
     overlap = cost.overlap_block(hw, m.H, m.K, m.D, share=share, inter=crosses, training=training)
     return Plan(memory_per_rank_gb=best.memory_per_rank_gb, step_time_s=best.step_time_s, modes=modes,
-                recommendation=Recommendation(mode=best.name, ring=best.ring, ulysses=best.ulysses, reason=reason),
-                min_tokens_per_rank_for_overlap=overlap, tokens_per_rank=seq_len / sp_size, sp_size=sp_size,
-                hardware=hw.name, fits=best.memory_per_rank_gb <= hw.memory_gb)
+                recommendation=rec, min_tokens_per_rank_for_overlap=overlap, tokens_per_rank=seq_len / sp_size,
+                sp_size=sp_size, hardware=hw.name, fits=best.memory_per_rank_gb <= hw.memory_gb)

@@ -129,10 +129,83 @@ def test_cli_table_overrides_and_errors(tmp_path, capsys):
     args = ["plan", "--model", str(config), "--seq-len", "1000000", "--gpus", "64"]
     assert main(args) == 0
     table = capsys.readouterr().out
-    assert ringseq.plan(model=LLAMA_8B, **CLUSTER).recommendation.reason in table
+    assert ringseq.plan(model=LLAMA_8B, **CLUSTER).recommendation.cli_reason in table
     assert main(args + ["--inter-gbps", "1", "--json"]) == 0
     slow = json.loads(capsys.readouterr().out)
     assert slow["hardware"] == "h100+custom"
     assert slow["step_time_s"] > ringseq.plan(model=LLAMA_8B, **CLUSTER).step_time_s
     assert main(args + ["--gpus", "12"]) == 2
     assert "whole number of nodes" in capsys.readouterr().err
+
+
+def test_a_plan_that_does_not_fit_names_each_fix_that_alone_is_enough():
+    """Llama-3-8B at 1M tokens on 64 H100: no shape fits as asked, checkpointing alone is enough."""
+    p = ringseq.plan(model=LLAMA_8B, **CLUSTER)
+    assert not p.fits and p.memory_per_rank_gb > 80
+    rec = p.recommendation
+    assert rec.reason.startswith("no shape fits in 80 GiB per rank") and "recommended" not in rec.reason
+    assert "checkpointing=True alone is enough" in rec.reason and "--" not in rec.reason
+    assert "--checkpointing alone is enough" in rec.cli_reason and "=True" not in rec.cli_reason
+    singles = [f.changes for f in rec.fixes if "gpus" not in f.changes]
+    assert {"checkpointing": True} in singles and all(len(c) == 1 for c in singles)
+    for fix in rec.fixes:  # each fix, applied, fits at the memory and with the shape it states
+        fixed = ringseq.plan(model=LLAMA_8B, **{**CLUSTER, **fix.changes})
+        assert fixed.fits and fixed.recommendation.mode == fix.mode
+        assert fixed.memory_per_rank_gb == pytest.approx(fix.memory_per_rank_gb)
+    assert [f.changes for f in rec.fixes if "gpus" in f.changes] == [{"gpus": 128}]  # 64 alone fits no shape
+    assert json.loads(json.dumps(p.to_dict()))["recommendation"]["fixes"][0]["changes"]
+    assert ringseq.plan(model=LLAMA_8B, **CLUSTER, checkpointing=True).recommendation.fixes == ()
+
+
+def test_when_nothing_fits_no_shape_is_called_recommended(tmp_path, capsys):
+    from ringseq.launch.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_8B))
+    huge = dict(seq_len=2**27, gpus=8, gpus_per_node=8)
+    p = ringseq.plan(model=LLAMA_8B, **huge)
+    assert not p.fits and p.recommendation.fixes == ()
+    assert main(["plan", "--model", str(config), "--seq-len", "128M", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "recommended" not in out and "no shape fits in 80 GiB per rank" in out
+    assert "shorten the sequence or use devices with more memory" in out
+    # fitting as asked, the same words say "recommended"
+    assert main(["plan", "--model", str(config), "--seq-len", "1M", "--gpus", "64", "--checkpointing"]) == 0
+    assert "\nrecommended: " in capsys.readouterr().out
+
+
+def test_cli_advice_names_its_flags_and_the_one_flag_that_is_enough(tmp_path, capsys):
+    from ringseq.launch.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA_8B))
+    assert main(["plan", "--model", str(config), "--seq-len", "1000000", "--gpus", "64", "--gpus-per-node", "8",
+                 "--hardware", "h100"]) == 0
+    advice = capsys.readouterr().out.splitlines()[-1]
+    assert advice == ringseq.plan(model=LLAMA_8B, **CLUSTER).recommendation.cli_reason
+    assert "--checkpointing alone is enough" in advice and "--gpus 128 is enough" in advice
+    assert not any(word in advice for word in ("checkpointing=", "tiled_mlp", "recommended"))
+    # the flags it names are this command's: with the one it says is enough, the plan fits
+    assert main(["plan", "--model", str(config), "--seq-len", "1000000", "--gpus", "64", "--checkpointing"]) == 0
+    assert "recommended: " in capsys.readouterr().out
+
+
+def test_fixes_are_spelled_as_keywords_for_python_and_as_flags_for_the_command():
+    from ringseq.planner.predict import flags, keywords
+
+    changes = {"checkpointing": True, "tiled_mlp": 4, "zero_stage": 3, "gpus": 256, "sp_size": 64}
+    assert keywords(changes) == "checkpointing=True, tiled_mlp=4, zero_stage=3, gpus=256, sp_size=64"
+    assert flags(changes) == "--checkpointing --tiled-mlp 4 --zero-stage 3 --gpus 256 --sp-size 64"
+
+
+def test_no_single_switch_enough_names_the_fewest_together():
+    """Llama-3-8B at 1M (binary) tokens on 8 H100 under ZeRO-1: only two switches together fit."""
+    from ringseq.planner.predict import flags
+
+    p = ringseq.plan(model=LLAMA_8B, **{**CLUSTER, "seq_len": 2**20, "gpus": 8}, zero_stage=1)
+    together = [f.changes for f in p.recommendation.fixes if "gpus" not in f.changes]
+    assert not p.fits and together and all(len(c) == 2 for c in together)
+    assert "no single switch is enough" in p.recommendation.cli_reason
+    assert f"; {flags(together[0])} together are enough" in p.recommendation.cli_reason
+    assert ringseq.plan(model=LLAMA_8B, **{**CLUSTER, "seq_len": 2**20, "gpus": 8}, zero_stage=1,
+                        **together[0]).fits
