@@ -11,9 +11,11 @@ changes in the Trainer underneath is ``ringseq.launch.trainer.SequenceParallelMi
 Supported: ``packing`` (TRL's padding-free packing with position ids), ``padding_free``,
 ``completion_only_loss`` and ``assistant_only_loss`` (their labels), both loss types (``nll``,
 ``dft``), gradient accumulation, evaluation, a ``peft_config``, a model given as an id or path,
-``bf16``/``fp16``, DDP and DeepSpeed ZeRO 0-3. Refused by name: ``compute_loss_func``, label
-smoothing, ``compute_metrics``/``preprocess_logits_for_metrics`` (TRL deprecates them; its own
-metrics are logged), the MoE router auxiliary loss, Liger kernels, vision datasets.
+``bf16``/``fp16``, DDP and DeepSpeed ZeRO 0-3, the MoE router auxiliary loss
+(``router_aux_loss_coef``: that of the whole sequence, ``patches.router_loss``), hybrid models.
+Refused by name: ``compute_loss_func``, label smoothing, ``compute_metrics`` /
+``preprocess_logits_for_metrics`` (TRL deprecates them; its own metrics are logged), Liger
+kernels, vision datasets.
 """
 from __future__ import annotations
 
@@ -61,19 +63,17 @@ class SFTTrainer(SequenceParallelMixin, trl.SFTTrainer):
         if chosen:
             unpatch(model)  # TRL installs its fused head on the plain model; ringseq patches after it
         super().__init__(model, args, *rest, **kwargs)
-        if self.aux_loss_enabled:
-            raise RingSeqError("the MoE router auxiliary loss would be computed on each rank's tokens only; set "
-                               "SFTConfig(router_aux_loss_coef=0.0)")
         patch(self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model, sp=self.sp,
               **chosen)
         self._pad_collator_to_layout()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        result = super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                      num_items_in_batch=num_items_in_batch)
-        loss, outputs = result if return_outputs else (result, None)
+        loss, outputs = super().compute_loss(model, inputs, return_outputs=True, num_items_in_batch=num_items_in_batch)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
-            # TRL multiplies by every process (DDP averages over all of them); ringseq's gradients are
-            # averaged over the replicas only
-            loss = self._replica_loss(loss / self.accelerator.num_processes, num_items_in_batch)
+            # TRL multiplies the token loss by every process (DDP averages over all of them) and then adds the
+            # MoE router loss, a per-micro-batch mean; ringseq's gradients are averaged over the replicas only
+            aux = 0.0
+            if self.aux_loss_enabled and getattr(outputs, "aux_loss", None) is not None:
+                aux = self.router_aux_loss_coef * outputs.aux_loss / self.current_gradient_accumulation_steps
+            loss = self._replica_loss((loss - aux) / self.accelerator.num_processes, num_items_in_batch) + aux
         return (loss, outputs) if return_outputs else loss

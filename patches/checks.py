@@ -1,8 +1,9 @@
 """What ringseq can patch exactly, checked before anything is changed.
 
 Tested families (tiny random-init configs in tests/integration): Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, Phi-3, gpt-oss. Other decoder-only families pass when every feature
-they use is one ringseq reproduces; anything else is listed in one ``RingSeqError``.
+Gemma 2, Gemma 3 text, Phi-3, gpt-oss, and the hybrids of ``HYBRID_FAMILIES`` (their recurrent
+layers sharded by ``patches.mixers``). Other decoder-only families pass when every feature they
+use is one ringseq reproduces; anything else is listed in one ``RingSeqError``.
 """
 from __future__ import annotations
 
@@ -14,8 +15,16 @@ import transformers
 from ringseq import versions
 from ringseq.errors import RingSeqError
 
-TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss")
-LAYER_TYPES = {"full_attention", "sliding_attention"}
+from . import logits as logit_maps
+from .mixers import MIXERS
+
+HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h",
+                   "granitemoehybrid", "falcon_h1", "bamba", "lfm2", "lfm2_moe")
+TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES)
+ATTENTION_TYPES = {"full_attention", "sliding_attention", "attention"}
+RECURRENT_TYPES = {"linear_attention", "conv", "mamba", "hybrid"}
+OTHER_TYPES = {"moe", "mlp"}  # nemotron_h's blocks without a sequence mixer
+LAYER_TYPES = ATTENTION_TYPES | RECURRENT_TYPES | OTHER_TYPES
 # rope variants that size their frequencies from the largest position id the layer sees:
 # each rank sees only its shard, so ranks would disagree with each other and with one device
 LOCAL_ROPE = {"dynamic", "longrope"}
@@ -36,11 +45,18 @@ MIXER_NAMES = re.compile(r"Mamba|SSM|Ssm[A-Z]|Mixer|DeltaNet|LinearAttention|Rwk
 
 
 def sequence_mixers(model) -> list[str]:
-    """Module types that mix tokens along the sequence other than softmax attention: causal
-    convolutions (nn.Conv1d) and state-space / recurrent blocks."""
+    """Module types that mix tokens along the sequence other than softmax attention and that
+    ringseq cannot shard: causal convolutions (nn.Conv1d) and state-space / recurrent blocks
+    outside the mixers ``patches.mixers`` shards exactly."""
+    modules = dict(model.named_modules())
+    covered = [path for path, m in modules.items() if type(m).__name__ in MIXERS]
     found = set()
-    for module in model.modules():
+    for path, module in modules.items():
         name = type(module).__name__
+        if name in MIXERS or hasattr(module, "is_causal"):  # a mixer ringseq shards, or transformers' attention
+            continue
+        if any(path.startswith(c + ".") or c.startswith(path + ".") or not path for c in covered):
+            continue  # inside a mixer ringseq shards (its convolution), or holding one (a decoder layer)
         if isinstance(module, torch.nn.Conv1d) or MIXER_NAMES.search(name):
             found.add(name)
     return sorted(found)
@@ -62,14 +78,18 @@ def problems(model) -> list[str]:
         found.append(f"{type(model).__name__} has no language-model head (use a *ForCausalLM class)")
     if not model._can_set_attn_implementation():
         found.append(f"{type(model).__name__} does not route attention through transformers' AttentionInterface")
-    layer_types = set(getattr(config, "layer_types", None) or ())
+    layer_types = set(_layer_types(config))
     if layer_types - LAYER_TYPES:
-        found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (linear-attention, Mamba or other "
-                     f"non-softmax layers; supported: {sorted(LAYER_TYPES)})")
+        found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (ringseq shards {sorted(LAYER_TYPES)})")
+    elif layer_types & RECURRENT_TYPES and not any(type(m).__name__ in MIXERS for m in model.modules()):
+        found.append(f"layer types {sorted(layer_types & RECURRENT_TYPES)} run in modules ringseq does not know: "
+                     f"it shards the recurrent layers of {', '.join(sorted(set(MIXERS.values())))} "
+                     f"({', '.join(HYBRID_FAMILIES)})")
     mixers = sequence_mixers(model)
     if mixers:
-        found.append(f"sequence-mixing layers other than attention ({', '.join(mixers)}): a state-space, "
-                     f"convolution or recurrent layer would mix only this rank's tokens")
+        found.append(f"sequence-mixing layers ringseq cannot shard ({', '.join(mixers)}): a state-space, "
+                     f"convolution or recurrent layer it does not know would mix only this rank's tokens; ringseq "
+                     f"shards {', '.join(sorted(MIXERS))}")
     bidirectional = [name for name, m in model.named_modules() if getattr(m, "is_causal", True) is False]
     if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
         found.append("bidirectional attention (ringseq patches causal decoders)")
@@ -80,14 +100,21 @@ def problems(model) -> list[str]:
     if chunk:
         found.append(f"chunked attention (attention_chunk_size={chunk}, Llama 4: a query sees only the keys of its "
                      f"own {chunk}-token chunk), which ringseq does not reproduce")
+    found += logit_maps.problems(model)
     local = _rope_types(config) & LOCAL_ROPE
     if local:
         found.append(f"rope scaling {sorted(local)} (it reads the largest local position id, which differs "
                      f"per rank; use a static rope scaling such as 'linear', 'yarn' or 'llama3')")
-    if getattr(config, "output_router_logits", False):
-        found.append("output_router_logits=True (the router auxiliary loss would be computed on local "
-                     "tokens only); set config.output_router_logits = False")
     return found
+
+
+def _layer_types(config) -> list[str]:
+    """The config's layer kinds, under any of the names families give them."""
+    for name in ("layer_types", "layers_block_type"):
+        value = getattr(config, name, None)
+        if isinstance(value, (list, tuple)) and value:
+            return list(value)
+    return []
 
 
 def check(model) -> None:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
 from ringseq import lockstep
 from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
-from . import checkpointing
+from . import checkpointing, logits as logit_maps, router_loss
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
 # description of the packed documents, which ringseq reads from position_ids instead.
@@ -32,17 +32,28 @@ def _final_softcap(config):
 
 def _logits(model, hidden):
     logits = model.get_output_embeddings()(hidden)
+    finish = logit_maps.finisher(model)
+    if finish is not None:
+        logits = finish(logits)
+    if logit_maps.upcasts(model):
+        logits = logits.float()
     cap = _final_softcap(model.config)
     if cap is not None:
         logits = cap * torch.tanh(logits / cap)
     return logits
 
 
-def _drop_packing_metadata(kwargs: dict, position_ids) -> None:
+def _drop_packing_metadata(kwargs: dict, position_ids, recurrent: bool) -> None:
     given = [k for k in PACKING_METADATA if kwargs.get(k) is not None]
     if given and position_ids is None:
         raise RingSeqError(f"{', '.join(given)} describe packed documents, which ringseq reads from position_ids "
                            f"(a document starts where they do not count up): pass position_ids")
+    if given and recurrent:
+        raise RingSeqError(f"{', '.join(given)} make the recurrent layers of a hybrid model restart their states at "
+                           f"every packed document (with the FLA / mamba-ssm kernels; transformers' PyTorch path "
+                           f"refuses them), which ringseq does not reproduce: pass packed documents as position_ids "
+                           f"alone (attention keeps them apart, the recurrent layers run across them, as the "
+                           f"PyTorch path does), or train without packing")
     for k in PACKING_METADATA:
         kwargs.pop(k, None)
 
@@ -88,10 +99,13 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                            "are not supported; ringseq.unpatch(model) before generating")
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
-    _drop_packing_metadata(kwargs, position_ids)
+    _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
                           ringseq)
+    router = _router(self, handle, kwargs)
+    if handle.recurrent and local.get("attention_mask") is not None:
+        kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this rank's shard
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
         out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
@@ -101,21 +115,43 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         raise
     hidden, targets = out.last_hidden_state, batch.labels
     count = num_items_in_batch if num_items_in_batch is not None else batch.count
+    aux = None
+    if router is not None:  # the router loss of the whole batch, as the unpatched model computes it
+        aux = router_loss.aux_loss(out.router_logits, router, batch, local.get("attention_mask"))
     if fused_lm_head:
         from .fused_head import fused_outputs
 
-        return fused_outputs(self, batch, hidden, drop_last=unshifted, num_items_in_batch=num_items_in_batch)
+        return fused_outputs(self, batch, hidden, drop_last=unshifted, num_items_in_batch=num_items_in_batch,
+                             aux_loss=aux)
     loss = logits = None
     if targets is not None and (handle.chunked_loss or logits_fn is not None):
         loss = chunked_cross_entropy(hidden, targets, self.get_output_embeddings(), sp=handle.sp, count=count,
-                                     final_softcap=_final_softcap(self.config))
+                                     final_softcap=_final_softcap(self.config), finish=logit_maps.finisher(self))
     elif logits_fn is None:
         logits = _logits(self, hidden)
         if targets is not None:
             loss = cross_entropy(logits, targets, sp=handle.sp, num_items_in_batch=count)
     if logits_fn is not None:
         logits = _preprocessed(self, hidden, batch.raw_labels if unshifted else None, logits_fn, batch)
-    return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
+    if router is None:
+        return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
+    if loss is not None:
+        loss = loss + router.coef * aux.to(loss.dtype)
+    # this rank's router logits are in the layout's token order and of its tokens only: not returned
+    return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux.float(), logits=logits, hidden_states=out.hidden_states)
+
+
+def _router(model, handle, kwargs: dict):
+    """The router loss to add (``patches.router_loss``), when the router logits are asked for."""
+    want = kwargs.get("output_router_logits")
+    want = getattr(model.config.get_text_config(), "output_router_logits", False) if want is None else want
+    if not want:
+        return None
+    if handle.router_loss is None:  # the family has a router but adds no loss (kimi_linear, nemotron_h, lfm2_moe)
+        kwargs["output_router_logits"] = False
+        return None
+    kwargs["output_router_logits"] = True
+    return handle.router_loss
 
 
 def _preprocessed(model, hidden, labels, fn, batch: ShardedBatch):

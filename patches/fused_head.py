@@ -19,13 +19,12 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.loss import IGNORE
 
+from .logits import SCALINGS
+
 FIELDS = ("log_probs", "entropy", "is_top1")  # what TRL's SFTTrainer asks its fused head for
 VOCAB_TILE = 32768  # vocabulary columns per tile of TRL's kernel (TRL's own default)
-SCALED_LOGITS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
-
-
 def _check_head(config) -> None:
-    scaled = [name for name in SCALED_LOGITS if getattr(config, name, None) not in (None, 1, 1.0)]
+    scaled = [name for name in SCALINGS if getattr(config, name, None) not in (None, 1, 1.0)]
     if scaled:
         raise RingSeqError(f"the fused LM head under ringseq does not apply logit scaling ({', '.join(scaled)}); "
                            f"train this model with ringseq.Trainer, whose loss reads the model's own logits")
@@ -38,7 +37,7 @@ def _global(local: torch.Tensor, batch, drop_last: bool) -> torch.Tensor:
     return full[:, : full.size(1) - 1] if drop_last else full
 
 
-def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_items_in_batch=None):
+def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_items_in_batch=None, aux_loss=None):
     """TRL's ``FusedCausalLMOutput`` of the whole sequence from this rank's final hidden states
     [B, s, d] and the batch's shifted targets (``ShardedBatch.labels``)."""
     from trl.kernels import ChunkedLogProbFunction
@@ -62,5 +61,9 @@ def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_it
     is_top1, label_mask = (_global(x.to(torch.uint8), batch, drop_last).bool() for x in (is_top1, mask))
     # TRL's own fused head divides by at least one token
     count = batch.count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    return FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
-                               label_mask=label_mask)
+    out = FusedCausalLMOutput(loss=-log_probs.sum() / count, log_probs=log_probs, entropy=entropy, is_top1=is_top1,
+                              label_mask=label_mask)
+    if aux_loss is not None:  # the MoE router loss of the whole batch (``patches.router_loss``), as TRL's head adds it
+        out["aux_loss"] = aux_loss.float()
+        out["loss"] = out.loss + getattr(config, "router_aux_loss_coef", 0.0) * out.aux_loss
+    return out

@@ -19,13 +19,13 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.topology import check_sp
 
-from . import checkpointing, checks, tiled_mlp as tiling
+from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling
 from .documents import isolates_documents
 from .forward import forward as _forward
 from .registry import NAME, register
 
 
-@dataclasses.dataclass(kw_only=True)
+@dataclasses.dataclass(kw_only=True, eq=False)
 class PatchHandle:
     """Attached to a patched model as ``model._ringseq_patch``."""
 
@@ -43,11 +43,19 @@ class PatchHandle:
     """Whether checkpointing offloads to host memory (transformers' option; ``patches.checkpointing``)."""
     keep_ring_outputs: bool = True
     """Whether checkpointed layers keep their ring outputs (False: their recompute replays the ring)."""
+    mixer_modules: list = dataclasses.field(default_factory=list)
+    """The modeling modules whose recurrent kernels route through ringseq for this model (``patches.mixers``)."""
+    recurrent: bool = False
+    """Whether the model has recurrent layers (they read the padding mask from the decoder's inputs)."""
+    router_loss: object = None
+    """The MoE auxiliary loss the unpatched model adds (``patches.router_loss``), or None."""
 
     def __deepcopy__(self, memo):
         # the sequence group (process groups) is shared, never copied: a copied model trains on the same ranks
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        return PatchHandle(**{k: v if k == "sp" else copy.deepcopy(v, memo) for k, v in fields.items()})
+        twin = PatchHandle(**{k: v if k == "sp" else copy.deepcopy(v, memo) for k, v in fields.items()})
+        mixers.adopt(twin)
+        return twin
 
 
 def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
@@ -63,7 +71,10 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     Checkpointing (``gradient_checkpointing_enable``, before or after patching) never replays the
     ring: checkpointed layers keep each ring call's output and log-sum-exp
     (``patches.checkpointing``); ``keep_ring_outputs=False`` trades that speed for memory (one
-    q-sized tensor per layer less; the recompute replays the ring). Patching twice only updates
+    q-sized tensor per layer less; the recompute replays the ring). Hybrid models' recurrent
+    layers (gated DeltaNet, KDA, Mamba2, short convolutions) run on this rank's tokens from the
+    states their runs enter with (``patches.mixers``), and an MoE model's router loss is that of
+    the whole sequence (``patches.router_loss``). Patching twice only updates
     ``sp`` and the options (and puts the patched forward back if something replaced it since).
     Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
     reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
@@ -88,10 +99,13 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     checks.check(model)
     if tiled_mlp is not None:
         tiling.mlps(model)  # refuses MLPs it cannot tile before anything changes
+    base = _transformers_model(model)
+    router = router_loss.plan(base)  # refuses a router loss it cannot split before anything changes
     register()
     handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
                          chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
-                         keep_ring_outputs=bool(keep_ring_outputs))
+                         keep_ring_outputs=bool(keep_ring_outputs), recurrent=mixers.has_recurrent_layers(model),
+                         router_loss=router)
     model.set_attn_implementation(NAME)
     try:
         handle.documents_apart = isolates_documents(model)
@@ -100,6 +114,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         raise
     model._ringseq_patch = handle
     model.forward = types.MethodType(_forward, model)
+    mixers.install(model, handle)
     if tiled_mlp is not None:
         tiling.install(model, tiled_mlp)
         handle.tiled_mlp = tiled_mlp
@@ -126,6 +141,7 @@ def unpatch(model):
     if handle is None:
         return model
     model.set_attn_implementation(handle.previous_attn_implementation)
+    mixers.uninstall(handle)
     tiling.uninstall(model)
     checkpointing.unwrap(_transformers_model(model))
     checkpointing.unwrap(model)

@@ -52,7 +52,10 @@ LEDGER = 3
 PAYLOAD = HISTORY + LEDGER
 """The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait seconds)."""
 
-KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync")
+KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
+         "exchange backward")
+"""The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
+convolution halos (``ringseq.recurrent``)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position")
@@ -351,7 +354,7 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     """The ``RingSeqError`` for a wait or transfer on ``sp``'s groups that failed with ``exc``;
     the group is marked broken."""
     text = str(exc)
-    timed_out = "Timed out" in text or "timeout" in text.lower()
+    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
     who = peers.blame(sp, what, since) if timed_out else None
     from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
     if timed_out:

@@ -173,28 +173,30 @@ def _fusable(head, softcap) -> bool:
     return softcap is None and type(head) is torch.nn.Linear and not hasattr(head.weight, "ds_id") and not any(hooks)
 
 
-def _slab_loss(hidden, labels, head, softcap):
-    raw = head(hidden)
+def _slab_loss(hidden, labels, head, softcap, finish=None):
+    raw = head(hidden) if finish is None else finish(head(hidden))
     logits = _upcast(raw)
     # over the logits in place only where this function alone holds them: a Linear head's output
     # (saved by nothing) or the fp32 copy of half-precision ones; not under softcap (tanh keeps its output)
-    inplace = softcap is None and (logits is not raw or type(head) is torch.nn.Linear)
+    inplace = softcap is None and finish is None and (logits is not raw or type(head) is torch.nn.Linear)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return _SlabTokenSum.apply(logits, labels, inplace)[0]
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head, *, sp, count,
-                          final_softcap: float | None = None, chunk: int | None = None) -> torch.Tensor:
+                          final_softcap: float | None = None, chunk: int | None = None, finish=None) -> torch.Tensor:
     """``cross_entropy`` of ``head(hidden)`` without ever holding the logits of more than
     ``chunk`` tokens (default ``slab_tokens(vocab)``: 64 MiB of fp32 logits, at least 512 tokens).
-    A plain Linear head (``_fusable``) forms every gradient in forward, slab by slab
-    (``_FusedLinearLoss``); any other head (softcap, PEFT, ZeRO-3's partitioned weight) has each
-    slab checkpointed, its logits recomputed in backward. Exact: the slab sums add up to the same sum."""
+    ``finish``: what the model does to its head's output before the softcap (a family's logit
+    multiplier or divisor), applied in the head's dtype. A plain Linear head (``_fusable``) forms
+    every gradient in forward, slab by slab (``_FusedLinearLoss``); any other head (softcap, a
+    finish, PEFT, ZeRO-3's partitioned weight) has each slab checkpointed, its logits recomputed
+    in backward. Exact: the slab sums add up to the same sum."""
     # a Linear (or PEFT's wrapper) knows its width also when ZeRO-3 has partitioned its weight away
     chunk = chunk or slab_tokens(getattr(head, "out_features", None) or head.weight.shape[0])
     flat_h, flat_y = hidden.flatten(0, -2), shift_labels.flatten().to(hidden.device)
-    if _fusable(head, final_softcap) and torch.is_grad_enabled():
+    if finish is None and _fusable(head, final_softcap) and torch.is_grad_enabled():
         local = _FusedLinearLoss.apply(flat_h, flat_y, head.weight, head.bias, chunk)
     else:
         local = hidden.new_zeros((), dtype=torch.float64)
@@ -202,5 +204,5 @@ def chunked_cross_entropy(hidden: torch.Tensor, shift_labels: torch.Tensor, head
         # must reach every attention layer, whose ring backward is a collective.
         for a in range(0, flat_h.size(0), chunk):
             local = local + checkpoint(_slab_loss, flat_h[a:a + chunk], flat_y[a:a + chunk], head, final_softcap,
-                                       use_reentrant=False)
+                                       finish, use_reentrant=False)
     return _global_loss(local, count, sp, torch.promote_types(hidden.dtype, torch.float32))

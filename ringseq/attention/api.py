@@ -2,6 +2,7 @@
 split across ranks (checks, then the ring, or Ulysses/hybrid around the ring)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -51,8 +52,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                    kernel: str | None = None, slab_rows: int | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole (global) sequence.
 
-    q [B,H,s,D], k/v [B,K,s,D] (H % K == 0; K/V cross the wire at K heads), each this rank's
-    shard by ``sp.layout``. Returns [B,H,s,D] in q's dtype; differentiable in q, k, v and sinks.
+    q [B,H,s,D], k [B,K,s,D], v [B,K,s,Dv] (H % K == 0; K/V cross the wire at K heads; v's head
+    dim may differ, as in MLA), each this rank's shard by ``sp.layout``. Returns [B,H,s,Dv] in
+    q's dtype; differentiable in q, k, v and sinks.
 
     position_ids  this rank's shard of the global position ids: packed documents attend only
                   inside themselves (see ``token_info``).
@@ -138,7 +140,18 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
 
 
 def _run(q, k, v, sinks, sp, opts: RingOptions):
-    """The ring, or Ulysses around the ring."""
+    """The ring, or Ulysses around the ring. A value head dim of its own (MLA) is padded with
+    zeros to the query's (or the query and key to the value's: zero columns add nothing to a
+    score; the scale is already fixed), and the output cut back: exact."""
+    D, Dv = q.size(-1), v.size(-1)
+    if D != Dv:
+        width = max(D, Dv)
+        q, k, v = (torch.nn.functional.pad(t, (0, width - t.size(-1))) for t in (q, k, v))
+        if opts.kernel is None and q.device.type == "cpu":
+            # SDPA on the CPU runs unequal head dims in its math path; aten's CPU flash kernel (equal
+            # dims only) is up to 2.4x less accurate in dq at such sizes: the blockwise kernel matches
+            opts = dataclasses.replace(opts, kernel="torch")
+        return _run(q, k, v, sinks, sp, opts)[..., :Dv]
     U = sp.ulysses_size
     if U == 1:
         return RingAttention.apply(q, k, v, sinks, opts)

@@ -18,8 +18,9 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise RingSeqError(f"q, k, v must be 4-D [B, heads, s, D]; got shapes {tuple(q.shape)}, "
                            f"{tuple(k.shape)}, {tuple(v.shape)}")
-    if k.shape != v.shape:
-        raise RingSeqError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise RingSeqError(f"k and v must agree on batch, kv heads and local length (v may have a head dim of its "
+                           f"own, as in MLA); got {tuple(k.shape)} and {tuple(v.shape)}")
     (B, H, s, D), (Bk, K, sk, Dk) = q.shape, k.shape
     if (B, s, D) != (Bk, sk, Dk):
         raise RingSeqError(f"q [B,H,s,D]={tuple(q.shape)} and k/v [B,K,s,D]={tuple(k.shape)} must agree "

@@ -203,3 +203,24 @@ def window_skips_ring_steps():
     finally:
         dist.batch_isend_irecv = real
 
+
+def value_head_dim(layout, ulysses_size=1):
+    """A value head dim of its own (MLA: Kimi Linear, DeepSeek-V3): smaller and larger than the
+    query's, with GQA, packed documents and a window, out and every gradient against the float64
+    reference by the 2x rule."""
+    sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
+    B, H, K, D, S = 2, 4, 2, 16, 16 * sp.size
+    for Dv, kw in ((8, dict(window=9)), (24, {})):
+        q, k, _, _ = make_qkv(B, H, K, S, D, seed=Dv)
+        g = torch.Generator().manual_seed(Dv)
+        v = torch.randn(B, K, S, Dv, generator=g, dtype=torch.float64)
+        dout = torch.randn(B, H, S, Dv, generator=g, dtype=torch.float64)
+        pos = packed_positions(B, S, Dv)
+        ref = reference(q, k, v, dout, causal=True, position_ids=pos, **kw)
+        plain = reference(*(t.float() for t in (q, k, v, dout)), causal=True, position_ids=pos, sdpa=True, **kw)
+        local = [ringseq.shard(t.float(), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+        out = ringseq.ring_attention(*local, sp=sp, position_ids=ringseq.shard(pos, 1, sp=sp), **kw)
+        assert out.shape == (B, H, S // sp.size, Dv), out.shape
+        out.backward(ringseq.shard(dout.float(), 2, sp=sp))
+        for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
+            assert_shards_close(got, p, r, f"{name} Dv={Dv} [{layout} U{ulysses_size} rank {sp.rank}]", sp=sp)

@@ -40,3 +40,9 @@ def test_window_and_local_documents_skip_ring_steps(pool):
 def test_flex_block_masks_forward_match_reference(pool2):
     pool2.run(cases.flex_forward_matrix, ["zigzag", "striped"])
 
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_a_value_head_dim_of_its_own(pool, pool4, layout):
+    pool.run(cases.value_head_dim, layout)
+    if layout == "zigzag":
+        pool4.run(cases.value_head_dim, layout, 2)  # Ulysses 2 x ring 2

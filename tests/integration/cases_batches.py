@@ -11,18 +11,18 @@ from ringseq.testing import shared_init
 from .hf_models import VOCAB, check_against, loss_and_grads, make_batch, references, tiny_model
 
 
-def manual_path():
+def manual_path(family="llama", S_per_rank=16):
     """shard_batch + patched model on local inputs + loss.cross_entropy == unpatched loss."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
-    batch = make_batch(2, 16 * world, "packed")
-    base, refs = references("llama", batch)
+    batch = make_batch(2, S_per_rank * world, "packed")
+    base, refs = references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     local = ringseq.shard_batch(batch, sp=sp)
     labels = local.pop("labels")
     model.zero_grad(set_to_none=True)
     logits = model(**local).logits
-    assert logits.shape == (2, 16, VOCAB)
+    assert logits.shape == (2, S_per_rank, VOCAB)
     loss = ringseq.loss.cross_entropy(logits, labels, sp=sp)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -33,8 +33,8 @@ def manual_path():
     # the whole shard_batch output, labels included, straight into the patched model; 16 * world - 3
     # tokens: shard_batch pads them to a length the layout splits
     for kind in ("packed", "padded"):
-        batch = make_batch(2, 16 * world - 3, kind)
-        _, refs = references("llama", batch)
+        batch = make_batch(2, S_per_rank * world - 3, kind)
+        _, refs = references(family, batch)
         loss, grads = loss_and_grads(model, ringseq.shard_batch(batch, sp=sp))
         check_against(refs, loss, grads, sp, f"shard_batch {kind} rank {sp.rank}/{world}")
 

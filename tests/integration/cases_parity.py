@@ -28,7 +28,7 @@ def parity(family, layout, kind="plain", S_per_rank=16, short=0):
     ringseq.unpatch(model)
 
 
-def autocast_parity(family, dtype_name, kind="plain"):
+def autocast_parity(family, dtype_name, kind="plain", S_per_rank=16):
     """fp32 weights under torch.autocast: the patched model computes what the unpatched model
     computes under the same autocast, against the float64 model without autocast. Logits and
     gradients by the 2x rule. The loss is one number whose half-precision error is a sum of
@@ -38,7 +38,7 @@ def autocast_parity(family, dtype_name, kind="plain"):
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    batch = make_batch(2, 16 * world, kind, left_pad=family not in EAGER)
+    batch = make_batch(2, S_per_rank * world, kind, left_pad=family not in EAGER)
     inputs = {k: v for k, v in batch.items() if k != "labels"}
     exact = tiny_model(family, torch.float64)
     ref_loss, ref_grads = loss_and_grads(exact, batch, manual_loss=True)
@@ -143,7 +143,7 @@ def refuses_unsupported_models():
         (tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=32, d_model=16, d_ff=32, num_layers=1, num_heads=2,
                                                    d_kv=8)), "encoder-decoder"),
         (tf.MambaForCausalLM(tf.MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1)),
-         r"sequence-mixing layers other than attention \(.*MambaMixer"),
+         r"sequence-mixing layers ringseq cannot shard \(.*MambaMixer"),
         (tf.LlamaModel(tiny_config("llama")), "no language-model head"),
     ]
     for model, match in cases:

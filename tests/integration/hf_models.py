@@ -5,6 +5,8 @@ import torch.distributed as dist
 
 from ringseq.testing import assert_model_close
 
+from .hybrid_configs import HYBRIDS, MOE_FAMILIES, hybrid_config, slow_memory
+
 
 VOCAB = 96
 
@@ -36,14 +38,12 @@ def tiny_config(family: str):
     if family == "gpt_oss":  # sinks, alternating window, mixture of experts
         return tf.GptOssConfig(**common, head_dim=16, sliding_window=6, num_local_experts=4,
                                num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"])
-    raise ValueError(family)
+    return hybrid_config(family)
 
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss")
-# transformers' sdpa path drops softcap and sinks, so these families' reference is eager
-
-
 EAGER = ("gemma2", "gpt_oss")
+"""transformers' sdpa path drops softcap and sinks, so these families' reference is eager."""
 
 
 def tiny_model(family: str, dtype=torch.float32):
@@ -54,9 +54,11 @@ def tiny_model(family: str, dtype=torch.float32):
     config._attn_implementation = "eager" if family in EAGER else "sdpa"
     # training configuration: with a cache, transformers ignores packed position ids entirely
     config.use_cache = False
-    if family == "gpt_oss":
+    if family == "gpt_oss" or family in MOE_FAMILIES:
         config._experts_implementation = "eager"  # the grouped-mm experts kernel has no float64
     model = AutoModelForCausalLM.from_config(config).to(dtype)
+    if family in HYBRIDS:
+        slow_memory(model)
     with torch.no_grad():  # sinks start at zero in gpt-oss; make them matter
         for name, p in model.named_parameters():
             if name.endswith("sinks"):
@@ -100,6 +102,9 @@ def loss_and_grads(model, batch, manual_loss=False):
     if manual_loss:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
         logits = model(**inputs).logits
+        dtype = next(model.parameters()).dtype
+        if logits.dtype != dtype:  # nemotron_h returns float32 logits of any model: take the head's own
+            logits = model.get_output_embeddings()(model.get_decoder()(**inputs).last_hidden_state)
         targets = torch.cat([batch["labels"][:, 1:], torch.full_like(batch["labels"][:, :1], -100)], 1)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
     else:
