@@ -108,12 +108,12 @@ _users: dict[str, weakref.WeakSet] = {}
 """modeling module name -> the patch handles of models whose mixers live there."""
 
 
-def _dispatcher(original, sharded):
+def _dispatcher(original, name: str):
     @functools.wraps(original)
     def dispatch(*args, ringseq=None, **kwargs):
         if ringseq is None:
             return original(*args, **kwargs)
-        return sharded(original, ringseq, *args, **kwargs)
+        return SHARDED[name](original, ringseq, *args, **kwargs)
 
     dispatch.ringseq_original = original
     return dispatch
@@ -128,10 +128,10 @@ def install(model, handle) -> None:
     """Route the mixers' kernels of ``model``'s modeling modules through ringseq (idempotent)."""
     for name in mixer_modules(model):
         module = sys.modules[name]
-        for fn_name, sharded in SHARDED.items():
+        for fn_name in SHARDED:
             fn = getattr(module, fn_name, None)
             if fn is not None and not hasattr(fn, "ringseq_original"):
-                setattr(module, fn_name, _dispatcher(fn, sharded))
+                setattr(module, fn_name, _dispatcher(fn, fn_name))
         _users.setdefault(name, weakref.WeakSet()).add(handle)
     handle.mixer_modules = mixer_modules(model)
 

@@ -83,6 +83,66 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
     return RingTime(time, exposed, ideal)
 
 
+@dataclasses.dataclass(frozen=True)
+class RecurrentTime:
+    """One recurrent layer of a hybrid, sharded one way: ``time_s`` on a rank, ``exposed_s`` its
+    communication (blocking collectives: nothing hides it), ``ideal_s`` the one-process FLOPs over
+    P, ``sent_bytes`` a rank sends, ``possible``: whether the way applies at this P."""
+
+    time_s: float
+    exposed_s: float
+    ideal_s: float
+    sent_bytes: float
+    possible: bool = True
+
+
+def _recurrence_flops(r, cols: float) -> float:
+    """FLOPs per token and head of a chunked recurrence kernel with ``cols`` state columns: the
+    intra-chunk products (chunk x (rows + cols)), the state read and written (rows x cols), the
+    triangular solve (chunk x rows); counted 2 per multiply-add."""
+    return 2 * r.chunk * (r.rows + cols) + 4 * r.rows * cols + 2 * r.chunk * r.rows
+
+
+def recurrent_layer(m: ModelSpec, hw: Hardware, S: float, P: int, mode: str, *, training: bool = True,
+                    inter: bool = False, slowdown: float = 1.0, batch: int = 1, runs: int = 2) -> RecurrentTime:
+    """A recurrent layer at P sequence ranks (``ringseq.recurrent``), ``mode``:
+
+    ``state``  each rank's kernel on its s = S / P tokens with the value widened by ``rows``
+               columns (its response to an entering state), one all-gather of the ``runs``
+               runs' summaries (rows x (cols + rows) per head for the delta rule; rows x
+               (cols + 1) for Mamba2) and one of the convolution's halos; backward all-reduces
+               the summaries' gradients. Bytes independent of S.
+    ``heads``  the head all-to-all: q, k, v and the gates in, the output back, each rank running
+               the kernel on all S tokens for heads / P heads; P must divide the key heads.
+    Convolution-only layers (LFM2) exchange the halo alone either way."""
+    r, b = m.recurrent, hw.bytes
+    s = S / P
+    bw, lat = hw.link(inter)
+    rate = hw.peak_tflops * 1e12 * hw.attn_fwd_efficiency / slowdown
+    passes = 1 + (BWD_FLOPS if training else 0)
+    halo = (P - 1) * runs * r.channels * (r.width - 1) * b * batch if P > 1 else 0.0
+    ideal = S / P * r.heads * (_recurrence_flops(r, r.cols) if r.rows else 2 * r.width * r.channels) * passes \
+        * batch / rate
+    if r.kind == "conv":
+        comm = (lat * (P - 1) + halo / bw) * (2 if training else 1) if P > 1 else 0.0
+        return RecurrentTime(ideal + comm, comm, ideal, halo * (2 if training else 1))
+    if mode == "state":
+        flops = s * r.heads * _recurrence_flops(r, r.cols + r.rows) * passes * batch
+        summary = r.heads * r.rows * ((r.cols + r.rows) if r.kind == "delta" else (r.cols + 1)) * 4 * batch
+        sent = (P - 1) * runs * summary + halo + (2 * (P - 1) * runs * summary if training else 0.0)
+        collectives = (2 + (2 if training else 0)) if P > 1 else 0
+        comm = collectives * lat * (P - 1) + sent / bw if P > 1 else 0.0
+        return RecurrentTime(flops / rate + comm, comm, ideal, sent)
+    possible = P == 1 or r.key_heads % P == 0
+    flops = s * r.heads * _recurrence_flops(r, r.cols) * passes * batch
+    inputs = (2 * r.key_heads * r.rows + r.heads * r.cols + 2 * r.heads) if r.kind == "delta" else \
+        (r.heads * r.cols + 2 * r.rows + r.heads)
+    per_pass = (P - 1) / P * s * (inputs + r.heads * r.cols) * b * batch
+    sent = per_pass * (2 if training else 1) + halo
+    comm = (2 * (2 if training else 1) * lat * (P - 1) + sent / bw) if P > 1 else 0.0
+    return RecurrentTime(flops / rate + comm, comm, ideal, sent, possible)
+
+
 def ulysses_layer(m: ModelSpec, hw: Hardware, s: float, U: int, *, training: bool, inter: bool,
                   batch: int = 1) -> float:
     """All-to-alls of one layer: q, k, v in and the output back (backward: their gradients).

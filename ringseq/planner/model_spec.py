@@ -7,12 +7,35 @@ import os
 
 from ringseq.errors import RingSeqError
 
-REQUIRED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size")
+REQUIRED = ("hidden_size", "intermediate_size", "num_attention_heads", "vocab_size")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RecurrentSpec:
+    """The recurrent layers of a hybrid (gated DeltaNet / KDA, Mamba2, short convolutions)."""
+
+    kind: str
+    """"delta" (a K x V state per head), "mamba2" (P x N per head) or "conv" (no state)."""
+    layers: int
+    heads: int
+    """Value heads (delta), heads (Mamba2)."""
+    key_heads: int
+    """Key heads (delta; the head all-to-all needs P to divide them), Mamba2's heads."""
+    rows: int
+    """State rows per head: the key dim (delta), the state size N (Mamba2)."""
+    cols: int
+    """State columns per head: the value dim (delta), the head dim (Mamba2)."""
+    channels: int
+    """Channels of the causal convolution in front (its halo: width - 1 tokens of them)."""
+    width: int
+    chunk: int = 64
+    """Tokens per chunk of the family's kernel (the delta rule's 64; Mamba2's mamba_chunk_size)."""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Shapes of a Llama-like causal LM (letters of ``ringseq.shapes``)."""
+    """Shapes of a Llama-like causal LM, or of a hybrid whose ``recurrent`` layers take the place of
+    some attention layers (letters of ``ringseq.shapes``)."""
 
     d: int
     """hidden size"""
@@ -30,6 +53,12 @@ class ModelSpec:
     """vocabulary"""
     tied: bool = False
     """input and output embeddings shared"""
+    recurrent: RecurrentSpec | None = None
+    """A hybrid's recurrent layers (the other L - recurrent.layers are attention layers)."""
+
+    @property
+    def attention_layers(self) -> int:
+        return self.L - (self.recurrent.layers if self.recurrent else 0)
 
     @property
     def layer_params(self) -> int:
@@ -56,8 +85,8 @@ def model_spec(model) -> ModelSpec:
             model = json.load(f)
     fields = dict(model) if isinstance(model, dict) else {k: getattr(model, k) for k in dir(model)
                                                         if not k.startswith("_") and k in
-                                                        REQUIRED + ("num_key_value_heads", "head_dim",
-                                                                    "tie_word_embeddings", "text_config")}
+                                                        REQUIRED + ("num_hidden_layers", "num_key_value_heads", "head_dim",
+                                                                    "tie_word_embeddings", "text_config") + HYBRID}
     if "text_config" in fields and "hidden_size" not in fields:  # multimodal wrappers keep the LM inside
         return model_spec(fields["text_config"])
     missing = [k for k in REQUIRED if fields.get(k) is None]
@@ -69,6 +98,62 @@ def model_spec(model) -> ModelSpec:
     D = int(fields.get("head_dim") or fields["hidden_size"] // H)
     if H % K:
         raise RingSeqError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {K}")
-    return ModelSpec(d=int(fields["hidden_size"]), F=int(fields["intermediate_size"]),
-                     L=int(fields["num_hidden_layers"]),
-                     H=H, K=K, D=D, V=int(fields["vocab_size"]), tied=bool(fields.get("tie_word_embeddings", False)))
+    L = int(fields.get("num_hidden_layers") or len(_layer_types(fields)))
+    if L < 1:
+        raise RingSeqError("model config lacks num_hidden_layers (or a layer_types list)")
+    return ModelSpec(d=int(fields["hidden_size"]), F=int(fields["intermediate_size"]), L=L,
+                     H=H, K=K, D=D, V=int(fields["vocab_size"]), tied=bool(fields.get("tie_word_embeddings", False)),
+                     recurrent=recurrent_spec(fields, L))
+
+
+HYBRID = ("layer_types", "layers_block_type", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
+          "linear_value_head_dim", "linear_conv_kernel_dim", "linear_num_heads", "linear_head_dim", "mamba_n_heads",
+          "mamba_num_heads", "mamba_d_head", "mamba_head_dim", "mamba_d_state", "ssm_state_size", "mamba_d_conv",
+          "conv_kernel", "mamba_expand", "mamba_d_ssm", "mamba_n_groups", "n_groups", "conv_L_cache", "model_type",
+          "attn_layer_indices", "mamba_chunk_size", "chunk_size")
+RECURRENT_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
+
+
+def _layer_types(fields: dict) -> list:
+    for name in ("layer_types", "layers_block_type"):
+        value = fields.get(name)
+        if isinstance(value, (list, tuple)) and value:
+            return list(value)
+    return []
+
+
+def recurrent_spec(fields: dict, L: int) -> RecurrentSpec | None:
+    """The recurrent layers a config describes (its layer pattern and its family's fields)."""
+    types = _layer_types(fields)
+    layers = sum(t in RECURRENT_TYPES for t in types)
+    if fields.get("model_type") == "falcon_h1":
+        layers = L  # Mamba2 beside attention in every layer
+    if fields.get("attn_layer_indices") is not None and not types:  # bamba
+        layers = L - len(fields["attn_layer_indices"])
+    if not layers:
+        return None
+    d = int(fields["hidden_size"])
+    if fields.get("linear_num_value_heads") or fields.get("linear_num_heads"):  # gated DeltaNet, KDA
+        heads = int(fields.get("linear_num_value_heads") or fields["linear_num_heads"])
+        key_heads = int(fields.get("linear_num_key_heads") or heads)
+        dk = int(fields.get("linear_key_head_dim") or fields["linear_head_dim"])
+        dv = int(fields.get("linear_value_head_dim") or fields.get("linear_head_dim") or dk)
+        return RecurrentSpec(kind="delta", layers=layers, heads=heads, key_heads=key_heads, rows=dk, cols=dv,
+                             channels=2 * key_heads * dk + heads * dv,
+                             width=int(fields.get("linear_conv_kernel_dim") or 4))
+    mamba_heads = fields.get("mamba_n_heads") or fields.get("mamba_num_heads")
+    if mamba_heads:
+        heads = int(mamba_heads)
+        inner = int(fields.get("mamba_d_ssm") or fields.get("mamba_expand", 2) * d)
+        dh = fields.get("mamba_d_head") or fields.get("mamba_head_dim")
+        dh = int(dh) if isinstance(dh, int) else inner // heads
+        n = int(fields.get("mamba_d_state") or fields.get("ssm_state_size") or 128)
+        groups = int(fields.get("mamba_n_groups") or fields.get("n_groups") or 1)
+        return RecurrentSpec(kind="mamba2", layers=layers, heads=heads, key_heads=heads, rows=n, cols=dh,
+                             channels=heads * dh + 2 * groups * n,
+                             width=int(fields.get("mamba_d_conv") or fields.get("conv_kernel") or 4),
+                             chunk=int(fields.get("mamba_chunk_size") or fields.get("chunk_size") or 256))
+    if fields.get("conv_L_cache"):
+        return RecurrentSpec(kind="conv", layers=layers, heads=1, key_heads=1, rows=0, cols=0, channels=d,
+                             width=int(fields["conv_L_cache"]))
+    raise RingSeqError("the config has recurrent layers of a family the planner does not know")

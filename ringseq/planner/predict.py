@@ -44,6 +44,12 @@ class ModeEstimate(_Fields):
     ring_crosses_nodes: bool
     attention_s: float
     """Attention's share of step_time_s (all layers, forward and backward)."""
+    recurrent_s: float = 0.0
+    """A hybrid's recurrent layers' share of step_time_s (state passing: ``ringseq.recurrent``)."""
+    recurrent: dict = dataclasses.field(default_factory=dict)
+    """A hybrid's recurrent layers costed both ways at this shape's P: ``{"state": {...},
+    "heads": {...}}``, each ``time_s`` (all recurrent layers, forward and backward),
+    ``sent_gb_per_rank`` and ``possible`` (the head all-to-all needs P to divide the key heads)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,15 +124,25 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     dense = cost.dense_layer(m, hw, s, f, slowdown)
     head = cost.head(m, hw, s, f, slowdown)
     collective, optimizer = cost.state_traffic(m, hw, f, G, inter=G > per_node)
-    compute = m.L * (dense + ring.time_s + a2a) + head + optimizer
+    La = m.attention_layers
+    ways = {}
+    if m.recurrent is not None:
+        for way in ("state", "heads"):
+            t = cost.recurrent_layer(m, hw, S, P, way, training=f.training, inter=P > per_node, slowdown=slowdown,
+                                     batch=f.micro_batch, runs=1 if layout == "contiguous" else 2)
+            ways[way] = {"time_s": m.recurrent.layers * t.time_s, "exposed_s": m.recurrent.layers * t.exposed_s,
+                         "ideal_s": m.recurrent.layers * t.ideal_s,
+                         "sent_gb_per_rank": m.recurrent.layers * t.sent_bytes / 2**30, "possible": t.possible}
+    rec = ways.get("state", {"time_s": 0.0, "exposed_s": 0.0, "ideal_s": 0.0})
+    compute = La * (ring.time_s + a2a) + rec["time_s"] + m.L * dense + head + optimizer
     step = max(compute, collective + optimizer)
-    ideal = m.L * (dense + ring.ideal_s) + head + optimizer
-    exposed = m.L * (ring.exposed_s + a2a) + max(0.0, collective + optimizer - compute)
+    ideal = La * ring.ideal_s + rec["ideal_s"] + m.L * dense + head + optimizer
+    exposed = La * (ring.exposed_s + a2a) + rec["exposed_s"] + max(0.0, collective + optimizer - compute)
     mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, ring=R > 1, host=hw.name == "cpu")
     return ModeEstimate(name=mode_name(R, U), ring=R, ulysses=U, step_time_s=step, efficiency=ideal / step,
                         exposed_comm_s=exposed, memory_per_rank_gb=mem["total"],
                         memory_gb={k: v for k, v in mem.items() if k != "total"}, ring_crosses_nodes=crosses,
-                        attention_s=m.L * (ring.time_s + a2a))
+                        attention_s=La * (ring.time_s + a2a), recurrent_s=rec["time_s"], recurrent=ways)
 
 
 def _check(seq_len, gpus, gpus_per_node, sp_size, layout):

@@ -96,3 +96,13 @@ def test_gpu_check_runs_its_cpu_part():
                                                       and r["feature"] == "softcap"]
     assert all("max_error" in r for r in kernels if "refused" not in r)
     assert {r["layout"] for r in rows if r["check"] == "ring"} == {"zigzag", "contiguous", "striped"}
+
+
+def test_hybrid_benchmark(tmp_path):
+    """State passing and the head all-to-all on a gated DeltaNet layer, both against the unpatched
+    layer on the same weights, their bytes counted."""
+    records = bench("hybrid.py", "--N", "512", "--sizes", "2", "--reps", "1", out=tmp_path)
+    assert [r["kind"] for r in records] == ["unpatched", "state", "heads"]
+    assert all(r["max_err"] < SANE and r["ms"] > 0 and r["step_mb"] > 0 for r in records), records
+    assert 0 < records[1]["sent_mb"] < records[2]["sent_mb"], records
+    assert (tmp_path / "hybrid.png").exists()

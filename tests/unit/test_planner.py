@@ -209,3 +209,49 @@ def test_no_single_switch_enough_names_the_fewest_together():
     assert f"; {flags(together[0])} together are enough" in p.recommendation.cli_reason
     assert ringseq.plan(model=LLAMA_8B, **{**CLUSTER, "seq_len": 2**20, "gpus": 8}, zero_stage=1,
                         **together[0]).fits
+
+
+def _qwen35(**extra):
+    from transformers import Qwen3_5TextConfig
+
+    return Qwen3_5TextConfig(vocab_size=248320, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
+                             num_attention_heads=16, num_key_value_heads=2, head_dim=256, linear_num_key_heads=16,
+                             linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128, **extra)
+
+
+def test_a_hybrid_is_costed_both_ways_from_its_layer_pattern():
+    """Qwen3.5's pattern (three gated DeltaNet layers in four): the planner reads layer_types, costs
+    the recurrent layers by state passing (what ringseq runs) and by the head all-to-all, whose bytes
+    grow with the sequence and which needs P to divide the 16 key heads."""
+    from ringseq.planner import model_spec
+
+    spec = model_spec(_qwen35())
+    assert (spec.recurrent.kind, spec.recurrent.layers, spec.attention_layers) == ("delta", 18, 6)
+    best = {}
+    for S in (262_144, 1_048_576):
+        for P in (8, 64):
+            p = ringseq.plan(model=_qwen35(), seq_len=S, gpus=P, gpus_per_node=8, checkpointing=True)
+            e = next(m for m in p.modes if m.name == p.recommendation.mode)
+            best[S, P] = e.recurrent
+            assert e.recurrent_s == e.recurrent["state"]["time_s"] > 0
+    assert best[262_144, 8]["heads"]["possible"] and not best[262_144, 64]["heads"]["possible"]
+    state = [best[S, 8]["state"]["sent_gb_per_rank"] for S in (262_144, 1_048_576)]
+    heads = [best[S, 8]["heads"]["sent_gb_per_rank"] for S in (262_144, 1_048_576)]
+    assert state[0] == pytest.approx(state[1]) and heads[1] == pytest.approx(4 * heads[0], rel=0.01)
+    assert state[1] < heads[1] / 10
+
+
+def test_mamba_and_short_convolution_hybrids_are_read_too():
+    from transformers import BambaConfig, Lfm2Config
+
+    from ringseq.planner import model_spec
+
+    bamba = model_spec(BambaConfig(hidden_size=1024, intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                                   num_key_value_heads=8, attn_layer_indices=[3, 7], mamba_n_heads=16,
+                                   mamba_d_state=64))
+    assert (bamba.recurrent.kind, bamba.recurrent.layers, bamba.recurrent.rows) == ("mamba2", 6, 64)
+    lfm2 = model_spec(Lfm2Config(hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+                                 num_key_value_heads=8, layer_types=["conv", "conv", "full_attention", "conv"]))
+    assert (lfm2.recurrent.kind, lfm2.recurrent.layers) == ("conv", 3)
+    p = ringseq.plan(model=lfm2, seq_len=65_536, gpus=4, gpus_per_node=4)
+    assert all(m.recurrent_s > 0 for m in p.modes)
