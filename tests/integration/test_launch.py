@@ -122,3 +122,12 @@ def test_two_nodes_keep_ulysses_on_a_node_and_a_hybrid_step_is_exact():
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     text = "".join(out for out, _ in outs)
     assert text.count(": exact") == 4 and "rank 3 on node 1: ulysses [2, 3], ring [1, 3]" in text, text
+
+
+def test_the_hybrid_example_trains_and_matches_unpatched(tmp_path):
+    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/hybrid_trainer.py", "--steps", "3", "--out",
+                      str(tmp_path))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "training losses over 3 steps (sp 2, 1 replica(s))" in run.stdout, run.stdout[-2000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("held-out loss"))
+    assert float(line.rsplit("relative difference ", 1)[1].rstrip(")")) <= 1e-5, line

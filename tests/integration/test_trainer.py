@@ -50,7 +50,9 @@ def test_trainer_deepspeed_steps_equal_single_process():
     launched(deepspeed(2, HERE / "trainer_step.py", *cases), "parameters match", 2 * (len(cases) + 2))
 
 
-@pytest.mark.parametrize("nproc,cases,extra", [(2, ["resume,checkpointing"], ["--stock-first"]), (4, [""], [])])
+# the hybrid: a Qwen3.5-style model's gated DeltaNet layer state-passed under the Trainer, 2 x 2 replicas
+@pytest.mark.parametrize("nproc,cases,extra", [(2, ["resume,checkpointing"], ["--stock-first"]),
+                                               (4, ["", "hybrid"], [])])
 def test_trainer_ddp_steps_equal_single_process(nproc, cases, extra):
     resumes = sum("resume" in c for c in cases)
     out = launched(torchrun(nproc, HERE / "trainer_step.py", *cases, *extra), "parameters match",

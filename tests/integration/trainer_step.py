@@ -7,7 +7,9 @@ ends. Every rank asserts.
 """
 import argparse
 import os
+import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -26,6 +28,24 @@ def tiny_llama():
                          num_attention_heads=4, num_key_value_heads=2, use_cache=False)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config)
+
+
+def tiny_hybrid():
+    """A Qwen3.5-style hybrid (a gated DeltaNet layer, then attention) that remembers for long."""
+    from transformers import Qwen3_5ForCausalLM
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    from tests.integration.hybrid_configs import hybrid_config, slow_memory
+
+    torch.manual_seed(0)
+    config = hybrid_config("qwen3_5")
+    config.vocab_size, config.use_cache, config._attn_implementation = VOCAB, False, "sdpa"
+    model = Qwen3_5ForCausalLM(config)
+    slow_memory(model)
+    return model
+
+
+MODELS = {False: tiny_llama, True: tiny_hybrid}
 
 
 def samples(n, seed):
@@ -119,7 +139,7 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
     # TrainingArguments(use_cpu=True) does not start DeepSpeed's comm layer, which zero.Init needs
     if case.pretrained:
         ringseq.join_deepspeed()
-    model = LlamaForCausalLM.from_pretrained(case.pretrained) if case.pretrained else tiny_llama()
+    model = LlamaForCausalLM.from_pretrained(case.pretrained) if case.pretrained else MODELS[case.hybrid]()
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            sp=None if case.section else sp)
@@ -143,13 +163,13 @@ def stock_trainer_is_refused(sp, train):
         raise AssertionError("a stock Trainer trained a patched model on different batches per rank")
 
 
-CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing"}
+CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid"}
 
 
 def parse_case(text: str, sp_size: int, gas: int) -> argparse.Namespace:
     """``stage=3,resume,section`` -> a namespace with every case key (absent: None / False)."""
     case = argparse.Namespace(stage=None, section=False, resume=False, pretrained=False, checkpointing=False,
-                              sp=sp_size, gas=gas)
+                              hybrid=False, sp=sp_size, gas=gas)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in CASE_KEYS:
@@ -174,15 +194,15 @@ def run_case(case, sp, out_dir: str) -> None:
     seen = trainer.state.num_input_tokens_seen
     assert seen == steps * case.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * case.gas * dp * S}"
 
-    what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage}"
-    plain = reference_steps(tiny_llama(), train, case.gas * dp, steps)
-    exact = reference_steps(tiny_llama().double(), train, case.gas * dp, steps)
-    start = dict(tiny_llama().named_parameters())
+    what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage}{' hybrid' if case.hybrid else ''}"
+    build = MODELS[case.hybrid]
+    plain = reference_steps(build(), train, case.gas * dp, steps)
+    exact = reference_steps(build().double(), train, case.gas * dp, steps)
+    start = dict(build().named_parameters())
     assert_updates_close(got, named(plain), named(exact), start, f"{what}: parameter updates")
     want = [reference_eval(m, evaluation, dp) for m in (plain, exact)]
     assert_close(torch.tensor(eval_loss, dtype=torch.float32), want[0].float(), want[1], f"{what}: eval loss")
-    print(f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage} gas {case.gas}: "
-          f"parameters match, eval loss {eval_loss:.6f} matches", flush=True)
+    print(f"{what} gas {case.gas}: parameters match, eval loss {eval_loss:.6f} matches", flush=True)
     if case.resume:
         dist.barrier()
         resumed = make_trainer(case, sp, out_dir + "/resumed", steps, train, evaluation)
@@ -198,7 +218,7 @@ def run_case(case, sp, out_dir: str) -> None:
 def main():
     parser = argparse.ArgumentParser(description="run each case in turn, in one process group")
     parser.add_argument("cases", nargs="*", default=[""],
-                        help="e.g. stage=2,resume  stage=3,resume,section,checkpointing  (none: DDP)")
+                        help="e.g. stage=2,resume  stage=3,resume,section,checkpointing  hybrid  (none: DDP)")
     parser.add_argument("--sp", type=int, default=2)
     parser.add_argument("--gas", type=int, default=2)
     parser.add_argument("--stock-first", action="store_true",
