@@ -1,6 +1,8 @@
-"""The contenders of ``benchmarks/longest.py``: one training step of a Llama, unpatched, with
-ringseq, or with DeepSpeed ALST as its HF integration and ArcticTraining use it (each a class with
-``forward_backward(N)`` and ``optimizer_step()``, built inside a rank of a process tree)."""
+"""The contenders of ``benchmarks/longest.py``: one training step of a Llama (or, with
+``--model hybrid``, a Qwen3.5-style hybrid: three gated DeltaNet layers and one attention layer),
+unpatched, with ringseq, or with DeepSpeed ALST as its HF integration and ArcticTraining use it
+(each a class with ``forward_backward(N)`` and ``optimizer_step()``, built inside a rank of a
+process tree). ALST shards attention layers only; it has no hybrid contender."""
 from __future__ import annotations
 
 import math
@@ -14,7 +16,11 @@ from ringseq.loss import slab_tokens
 MODELS = {"bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=4),
           "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=4)}  # for the suite: the machinery, not figures
+                       num_attention_heads=4, num_key_value_heads=4),  # for the suite: the machinery, not figures
+          "hybrid": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, head_dim=64, linear_num_key_heads=4,
+                         linear_num_value_heads=8, linear_key_head_dim=64, linear_value_head_dim=64,
+                         layer_types=["linear_attention"] * 3 + ["full_attention"])}
 MODEL = dict(MODELS[os.environ.get("RINGSEQ_LONGEST_MODEL", "bench")], max_position_embeddings=1 << 20,
              use_cache=False)
 DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -22,12 +28,14 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps":
 
 
 def llama():
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """The benchmark's model (a Llama, or the hybrid)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(0)
-    config = LlamaConfig(**MODEL)
+    hybrid = "layer_types" in MODEL
+    config = (Qwen3_5TextConfig if hybrid else LlamaConfig)(**MODEL)
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return (Qwen3_5ForCausalLM if hybrid else LlamaForCausalLM)(config)
 
 
 def batch(N: int) -> dict:

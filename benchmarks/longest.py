@@ -16,7 +16,9 @@ Systems (one fresh process tree each, gloo, one SGD step = forward + backward + 
   activations in host memory: on CPU a copy that saves nothing).
 
 The model is a Llama of 4 layers, d=512, MLP 2048, 8 q / 4 kv heads, vocab 32000 (47M parameters:
-MLP, logits and attention all matter); ``--model tiny`` is a toy size for the test suite.
+MLP, logits and attention all matter); ``--model tiny`` is a toy size for the test suite;
+``--model hybrid`` the same sizes as a Qwen3.5-style hybrid (three gated DeltaNet layers of 4 key /
+8 value heads of 64, one attention layer), for ``unpatched`` and ``ringseq`` systems.
 
 Memory: the budget bounds each rank's *step memory*, the peak resident set of a forward + backward
 above the resident set just before it (activations, gradients, communication and kernel buffers;

@@ -8,9 +8,11 @@ run the patched model on each batch; rank 0 runs the unpatched model on the same
 same dtype and in float64. For each step it prints the three losses and, per decoder layer and
 top-level module, the gradient's relative error against float64 for ringseq and for the
 unpatched model, then all take the same SGD step. Exit status 0 when ringseq's error is within
-twice the unpatched model's own (plus a floor) everywhere, 1 when not. The script is imported
-here first: one without ``make_model()`` or ``make_batches()``, or that fails to import, is
-refused in one line (exit status 2) before any process starts.
+twice the unpatched model's own (plus two roundings of the float64 value) everywhere, 1 when
+not: the rule of the tests (``ringseq.tolerance``; the loss against the unpatched model's mean
+per-token error). The script is imported here first: one without ``make_model()`` or
+``make_batches()``, or that fails to import, is refused in one line (exit status 2) before any
+process starts.
 """
 from __future__ import annotations
 

@@ -139,7 +139,7 @@ def refuses_bad_shapes():
     bad = {
         "4-D": (torch.randn(8, 4, 16), k, k),
         "multiple of kv heads": (q, torch.randn(1, 3, 4, 16), torch.randn(1, 3, 4, 16)),
-        "same shape": (q, k, torch.randn(1, 2, 4, 8)),
+        "must agree on batch, kv heads and local length": (q, k, torch.randn(1, 2, 6, 16)),
         "agree": (q, torch.randn(1, 2, 6, 16), torch.randn(1, 2, 6, 16)),
         "share a dtype": (q, k.double(), k.double()),
         "cannot come from layout": (q[:, :, :3], k[:, :, :3], k[:, :, :3]),

@@ -98,6 +98,7 @@ def test_gpu_check_runs_its_cpu_part():
     assert {r["layout"] for r in rows if r["check"] == "ring"} == {"zigzag", "contiguous", "striped"}
 
 
+@pytest.mark.slow  # three process trees; the state passing it measures is tested in test_hybrid_models
 def test_hybrid_benchmark(tmp_path):
     """State passing and the head all-to-all on a gated DeltaNet layer, both against the unpatched
     layer on the same weights, their bytes counted."""
