@@ -61,6 +61,9 @@ class RingSeqConfig:
         """Refuse a world that is not data x ring x ulysses, with the whole equation (and, for a
         world of one process, how the launchers start more)."""
         sp, uly = self.sp_size or world, self.ulysses_size
+        if sp % uly:
+            raise RingSeqError(f"sequence group {sp} is not ring N x ulysses {uly} for any whole N: ulysses_size {uly} "
+                               f"must divide sp_size {sp} (the whole world of {world} when sp_size is not given)")
         if world % sp:
             hint = f" (or choose an sp_size that divides {world})" if world > 1 else single_process_hint(environ)
             raise RingSeqError(f"world {world} is not data N x ring {sp // uly} x ulysses {uly} for any whole N: "

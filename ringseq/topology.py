@@ -118,7 +118,9 @@ def sequence_lists(ranks: torch.Tensor) -> list[list[int]]:
 
 def _group(ranks, made: dict, **options):
     """The group of these ranks: the world group for all of them, else one made once per
-    ``init`` (every gloo group keeps its own connections and threads, so none is made twice)."""
+    ``init`` (every gloo group keeps its own connections and threads, so none is made twice).
+    Its group ranks follow the list's order, which node placement (``grid``) may leave unsorted:
+    a rank's place in its list is its place in the group's collectives."""
     ranks = tuple(ranks)
     if ranks == tuple(range(dist.get_world_size())) and not options.get("backend"):
         return dist.group.WORLD
@@ -129,7 +131,8 @@ def _group(ranks, made: dict, **options):
             made[key] = (dist.new_group(list(ranks), use_local_synchronization=True, **options)
                          if ranks == (me,) else None)
         else:
-            made[key] = dist.new_group(list(ranks), **options)
+            order = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
+            made[key] = dist.new_group(list(ranks), **options, **order)
     return made[key]
 
 

@@ -147,3 +147,29 @@ def refuses_bad_shapes():
     for match, (a, b, c) in bad.items():
         with pytest.raises(ringseq.RingSeqError, match=match):
             ringseq.ring_attention(a, b, c, sp=sp)
+
+
+def interleaved_nodes():
+    import os
+
+    from .cases_features import reference
+
+    os.environ["GROUP_RANK"] = str(dist.get_rank() % 2)
+    try:
+        sp = ringseq.init(sp_size=4, ulysses_size=2)
+    finally:
+        del os.environ["GROUP_RANK"]
+    assert sp.ranks == (0, 2, 1, 3), sp.ranks
+    assert dist.get_group_rank(sp.group, dist.get_rank()) == sp.rank, (sp.ranks, sp.rank)
+    assert set(dist.get_process_group_ranks(sp.ulysses_group)) in ({0, 2}, {1, 3})
+    q, k, v, dout = make_qkv(2, 4, 2, 64, 16, seed=5)
+    ref = reference(q, k, v, dout, causal=True)
+    local = [ringseq.shard(t.float(), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    out = ringseq.ring_attention(*local, sp=sp)
+    out.backward(ringseq.shard(dout.float(), 2, sp=sp))
+    plain = reference(*(t.float() for t in (q, k, v, dout)), causal=True, sdpa=True)
+    for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
+        assert_shards_close(got, p, r, f"{name} interleaved nodes rank {dist.get_rank()}", sp=sp)
+    from tests.integration.cases_parity import parity
+
+    parity("qwen3_5", "zigzag", "plain", 64, sp=sp)

@@ -26,3 +26,11 @@ def test_ulysses_not_dividing_sp_size(pool4):
 
 def test_bad_shapes_are_refused(pool):
     pool.run(cases.refuses_bad_shapes)
+
+
+def test_groups_follow_nodes_that_interleave_the_ranks(pool4):
+    """A launcher that numbers the ranks of two nodes alternately (node of rank r: r % 2): the
+    Ulysses groups stay on a node, the sequence group's ranks are not in ascending order, and every
+    collective still reads the ranks in sequence order (group rank == sp.rank): a Ulysses x ring
+    attention and a hybrid layer's state passing are exact."""
+    pool4.run(cases.interleaved_nodes)

@@ -11,12 +11,13 @@ from ringseq.testing import assert_close, assert_named_close, shared_init
 from .hf_models import EAGER, check_against, loss_and_grads, make_batch, references, tiny_config, tiny_model
 
 
-def parity(family, layout, kind="plain", S_per_rank=16, short=0):
+def parity(family, layout, kind="plain", S_per_rank=16, short=0, ulysses=1, sp=None):
     """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
     its logits, so the reference is not capped at fp32 by transformers' upcast). ``short``
-    tokens fewer than the layout can split: the patched model pads the batch itself."""
+    tokens fewer than the layout can split: the patched model pads the batch itself. ``ulysses``:
+    a Ulysses x ring group; ``sp``: a topology of the caller's instead."""
     world = dist.get_world_size()
-    sp = shared_init(sp_size=world, layout=layout)
+    sp = sp or shared_init(sp_size=world, layout=layout, ulysses_size=ulysses)
     # A pad query with no visible key (left padding, or a window over pads only) becomes nan in
     # transformers' eager path in float64 (its fp32 softmax of finfo(float64).min), so eager
     # families' float64 reference is taken on short right pads, where every query sees a key.
