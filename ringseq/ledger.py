@@ -29,11 +29,6 @@ def ledger(sp) -> Ledger:
     return _ledgers.setdefault(sp.ranks, Ledger())
 
 
-def reset(sp) -> None:
-    """Start a new period for the sequence group of ``sp``."""
-    _ledgers[sp.ranks] = Ledger()
-
-
 class Clock:
     """Adds the time since ``start`` to a field of ``sp``'s ledger (nothing when ``sp.stats`` is off)."""
 

@@ -59,7 +59,7 @@ convolution halos (``ringseq.recurrent``)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position")
-_KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _POSITION = 0, 1, 2, 3, 6, 8
+_KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _ULYSSES, _POSITION = 0, 1, 2, 3, 6, 7, 8
 
 _layer = contextvars.ContextVar("ringseq_layer", default=-1)
 
@@ -78,6 +78,8 @@ class _State:
     """(number, kind, layer) of this rank's first failed call since it was last in step."""
     broken: str | None = None
     """Why the group's transfers can no longer be trusted (a wait timed out or a peer's transport failed)."""
+    agreed_at: float = 0.0
+    """time.time() of the group's last agreement: notes of peers older than it are of another incident."""
     peers: list | None = None
     """Every rank's ledger as its last record carried it: [calls, compute_s, wait_s] per group rank."""
     baseline: list | None = None
@@ -117,7 +119,7 @@ def float_bits(x: float | None) -> int:
     return 0 if x is None else struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
-def _from_bits(bits: int) -> float:
+def from_bits(bits: int) -> float:
     return struct.unpack("<d", struct.pack("<q", bits))[0]
 
 
@@ -163,10 +165,11 @@ def mark_failed(sp, reason: str = "") -> None:
 
 
 def mark_broken(sp, reason: str) -> None:
-    """The group's transfers can no longer be trusted: every later call raises ``reason``."""
+    """The group's transfers can no longer be trusted: every later call raises ``reason`` (no
+    note for the peers: this rank was waiting, as its "waiting" note says)."""
     st = state(sp)
     st.broken = st.broken or reason
-    mark_failed(sp, reason)
+    mark_failed(sp)
 
 
 def _snapshot(sp) -> list[int]:
@@ -197,6 +200,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     names = [*HEADER, *fields]
     n = len(values)
     history = (st.recent + [0] * HISTORY)[:HISTORY] if kind == "batch" else [0] * HISTORY
+    deadline = time.monotonic() + sp.timeout  # a rank ahead waits for the others at most this long
     while True:
         mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
         rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{_at_layer()}")
@@ -205,12 +209,14 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         verdict = "in step" if bool((compared == compared[0]).all()) else None
         if verdict is None and kind in RESYNC_KINDS:
             verdict = _resync(st, rows, n, sp.rank)
-        if verdict == "wait":
+        if verdict == "wait" and time.monotonic() < deadline:
             continue  # ahead of a peer: meet it again when it comes to this batch
+        if verdict == "wait":
+            verdict = None  # the others never caught up within the timeout: raise with the records
         if kind == "batch":
             st.recent = (st.recent + [digest])[-HISTORY:]
         if verdict == "in step":
-            st.failure = None
+            st.failure, st.agreed_at = None, time.time()
             return number
         mark_failed(sp)
         raise RingSeqError(_mismatch(compared, names, hint, behind=verdict == "behind"))
@@ -232,6 +238,9 @@ def _resync(st: _State, rows: torch.Tensor, n: int, me: int) -> str | None:
         st.number = int(rows[:, _NUMBER].max()) + 1
         return "in step"
     kinds = rows[:, _KIND].tolist()
+    resyncs = [KINDS.index(k) for k in RESYNC_KINDS]
+    if len({k for k in kinds if k in resyncs}) > 1:
+        return None  # a batch beside an explicit resync: nothing orders them (both raise; no livelock)
     if kinds[me] == KINDS.index("resync"):  # the caller's step numbers order the ranks
         steps = [int(rows[r, _POSITION]) if k == kinds[me] else None for r, k in enumerate(kinds)]
         top = max(x for x in steps if x is not None)
@@ -318,7 +327,7 @@ def _where(row: list[int]) -> str:
 
 def _show(name: str, value: int) -> str:
     if name in FLOAT_FIELDS:
-        return "None" if value == 0 else repr(_from_bits(value))
+        return "None" if value == 0 else repr(from_bits(value))
     if name == "failed in call":
         return "none" if value < 0 else f"#{value}"
     if name == "failed kind":
@@ -355,7 +364,7 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     the group is marked broken."""
     text = str(exc)
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-    who = peers.blame(sp, what, since) if timed_out else None
+    who = peers.blame(sp, what, state(sp).agreed_at or since) if timed_out else None
     from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
     if timed_out:
         cause = f"no answer within the {sp.timeout:g} s timeout (ringseq.init(timeout=...) or RINGSEQ_TIMEOUT): "

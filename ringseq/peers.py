@@ -54,8 +54,9 @@ def _read(store, key: str, since: float):
 
 
 def blame(sp, what: str, since: float, grace: float | None = None) -> str | None:
-    """After a wait that began at ``since`` (time.time()) timed out: which ranks of the group
-    stalled or failed, in words; None when the store cannot tell."""
+    """After a wait timed out: which ranks of the group stalled or failed, in words, from the
+    notes left since ``since`` (time.time() of the group's last agreement: a peer may have
+    raised long before this rank began to wait); None when the store cannot tell."""
     store = _store()
     if store is None:
         return None

@@ -2,12 +2,12 @@
 
 Every ring call adds its block-compute time and its wait time (ring transfers, lockstep
 agreements) to this rank's ledger (``ringseq.ledger``), and every lockstep record carries the
-sender's ledger, so each rank knows every peer's ledger as of the group's last ringseq
-collective. ``stats`` reads that: it communicates nothing, so a rank may call it alone (a
-callback that logs on the main process only) without putting the group out of step. In a ring
-every rank waits for the slowest one (a block arrives only after its sender finished its own
-step, and the next call's agreement waits for the last rank to arrive), so the rank that waited
-least is the one the others waited for. Timings are host clocks: exact on CPU; on CUDA, where
+sender's ledger as it stood when the record was made, so each rank knows every peer's ledger up
+to (not including) the group's last ringseq collective. ``stats`` reads that: it communicates
+nothing, so a rank may call it alone (a callback that logs on the main process only) without
+putting the group out of step. In a ring every rank waits for the slowest one (a block arrives
+only after its sender finished its own step, and the next call's agreement waits for the last
+rank to arrive), so the rank that waited least is the one the others waited for. Timings are host clocks: exact on CPU; on CUDA, where
 kernels and NCCL run asynchronously, they show where the host waited, not the device.
 ``RINGSEQ_STATS=0`` switches the timings off (the report then counts calls only).
 """
@@ -26,12 +26,13 @@ def _rows(sp) -> list[list[float]]:
     seen = lockstep.state(sp).peers
     if seen is None:
         return [[0, 0.0, 0.0] for _ in range(sp.size)]
-    return [[int(c), lockstep._from_bits(a), lockstep._from_bits(b)] for c, a, b in seen]
+    return [[int(c), lockstep.from_bits(a), lockstep.from_bits(b)] for c, a, b in seen]
 
 
 def stats(*, sp, reset: bool = False) -> dict:
-    """Per-rank ring timings of the sequence group since the last reset, as of the group's last
-    ringseq collective (no communication: any rank may call it, alone or with the others).
+    """Per-rank ring timings of the sequence group since the last reset, up to the group's last
+    ringseq collective (no communication: any rank may call it, alone or with the others; in a
+    one-rank group, up to now).
 
     Returns ``{"ranks": [{"calls", "compute_s", "wait_s"} per group rank], "slowest_rank":
     the group rank the others waited for, "wait_for_slowest_s": how long the other ranks

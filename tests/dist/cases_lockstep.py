@@ -357,3 +357,17 @@ def misuse_is_refused():
     for timeout in (float("inf"), 1e-4, float("nan")):
         _raises(lambda: ringseq.init(sp_size=world, timeout=timeout), "finite number of seconds", "at least 0.001")
     _raises(lambda: ringseq.resync(sp, 1.5), "step number")
+
+
+def batch_beside_resync():
+    """One rank at a batch agreement, the other at an explicit resync: nothing orders them, so
+    both raise (neither waits for the other forever), and a resync on both puts them in step."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    ids = torch.arange(4 * world)[None]
+    if sp.rank == 0:
+        _raises(lambda: ringseq.resync(sp, 3), "out of step")
+    else:
+        _raises(lambda: ringseq.shard_batch({"input_ids": ids}, sp=sp), "out of step")
+    ringseq.resync(sp, 4)
+    ringseq.shard_batch({"input_ids": ids}, sp=sp)

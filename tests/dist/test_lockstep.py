@@ -111,3 +111,7 @@ def test_soak_cases_run_and_report_their_worst_error(pool2):
     per_rank = pool2.run(soak.run_cases, cases)
     assert [len(r) for r in per_rank] == [6, 6]
     assert all(c["failed"] is None and 0 < c["worst_share"] <= 1 for r in per_rank for c in r), per_rank
+
+
+def test_a_batch_beside_a_resync_raises_on_both_and_never_waits(pool2):
+    pool2.run(cases.batch_beside_resync)
