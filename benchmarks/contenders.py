@@ -27,7 +27,7 @@ DS_CONFIG = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps":
              "zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
 
 
-def llama():
+def build_model():
     """The benchmark's model (a Llama, or the hybrid)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
@@ -47,7 +47,7 @@ def batch(N: int) -> dict:
 
 class Unpatched:
     def __init__(self, P, features):
-        self.model = llama()
+        self.model = build_model()
         self.model.train()
         self.opt = torch.optim.SGD(self.model.parameters(), lr=1e-4)
 
@@ -67,7 +67,7 @@ class Ringseq:
         import ringseq
 
         sp = ringseq.init(sp_size=P)
-        model = llama()
+        model = build_model()
         if "ckpt" in features or "replay" in features:
             kwargs = {"offload": True} if "offload" in features else {}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
@@ -95,7 +95,7 @@ class Alst:
         from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
 
         deepspeed.init_distributed(dist_backend="gloo")
-        model = llama()
+        model = build_model()
         self.mpu = UlyssesSPAttentionHF.register_with_transformers(
             model_name_or_path=model, core_attn_implementation="sdpa", sequence_parallel_size=P, micro_batch_size=1,
             seq_length_is_variable=True)

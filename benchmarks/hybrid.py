@@ -16,8 +16,9 @@ forward + backward on B=1 x N tokens:
                  halo). Capped by the head count: P must divide the key heads.
 
 Per configuration: the step's median time over ``--reps`` (the slowest rank), the bytes each rank
-sends in a step (tallied from the collectives it makes, ringseq's agreements included), the step memory (peak resident set above the one
-before the step), and the output's max error against the unpatched layer on the same weights.
+sends in a step (tallied from the collectives it makes, ringseq's agreements included), the step
+memory (peak resident set above the one before the step), and the output's max error against the
+unpatched layer on the same weights.
 One thread per rank; P = 4 runs 4 processes on this machine's 2 cores (time-sliced), so compare
 the contenders at the same P, not across P. Prints JSON lines, writes ``hybrid.jsonl`` and
 ``hybrid.png``. Usage::

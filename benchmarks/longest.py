@@ -277,6 +277,10 @@ def main(argv=None):
     parser.add_argument("--only-timing", action="store_true", help="skip the searches: tokens/s at --common only")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
+    if args.model == "hybrid":
+        alst = [t for t in args.systems if t.startswith("alst")]
+        if alst:
+            parser.error(f"ALST shards attention layers only: {alst} cannot run the hybrid model (give --systems)")
     os.environ["RINGSEQ_LONGEST_MODEL"] = args.model  # the process trees read it when they import contenders.py
     path = common.fresh_file(args.out, "longest.jsonl")
     budget = args.budget_mb

@@ -29,7 +29,8 @@ def long_documents(n: int, seq_len: int, vocab: int) -> list[dict]:
 
 
 def main(steps: int = 4, seq_len: int = 1024) -> None:
-    sp = ringseq.init(config=ringseq.config.from_env())  # first: the process group, RINGSEQ_SP_SIZE (default: all ranks)
+    # first: the process group, RINGSEQ_SP_SIZE (default: all ranks)
+    sp = ringseq.init(config=ringseq.config.from_env())
     accelerator = ringseq.prepare_accelerator(sp=sp)  # an Accelerator on ringseq's process group
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

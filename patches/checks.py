@@ -14,15 +14,14 @@ import transformers
 
 from ringseq import versions
 from ringseq.errors import RingSeqError
+from ringseq.planner.model_spec import ATTENTION_TYPES, RECURRENT_TYPES, layer_types as model_layer_types
 
 from . import logits as logit_maps
 from .mixers import MIXERS
 
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h",
-                   "granitemoehybrid", "falcon_h1", "bamba", "lfm2", "lfm2_moe")
+                   "granitemoehybrid", "falcon_h1", "bamba", "zamba2", "lfm2", "lfm2_moe")
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES)
-ATTENTION_TYPES = {"full_attention", "sliding_attention", "attention"}
-RECURRENT_TYPES = {"linear_attention", "conv", "mamba", "hybrid"}
 OTHER_TYPES = {"moe", "mlp"}  # nemotron_h's blocks without a sequence mixer
 LAYER_TYPES = ATTENTION_TYPES | RECURRENT_TYPES | OTHER_TYPES
 # rope variants that size their frequencies from the largest position id the layer sees:
@@ -78,7 +77,7 @@ def problems(model) -> list[str]:
         found.append(f"{type(model).__name__} has no language-model head (use a *ForCausalLM class)")
     if not model._can_set_attn_implementation():
         found.append(f"{type(model).__name__} does not route attention through transformers' AttentionInterface")
-    layer_types = set(_layer_types(config))
+    layer_types = set(model_layer_types(config))
     if layer_types - LAYER_TYPES:
         found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (ringseq shards {sorted(LAYER_TYPES)})")
     elif layer_types & RECURRENT_TYPES and not any(type(m).__name__ in MIXERS for m in model.modules()):
@@ -106,15 +105,6 @@ def problems(model) -> list[str]:
         found.append(f"rope scaling {sorted(local)} (it reads the largest local position id, which differs "
                      f"per rank; use a static rope scaling such as 'linear', 'yarn' or 'llama3')")
     return found
-
-
-def _layer_types(config) -> list[str]:
-    """The config's layer kinds, under any of the names families give them."""
-    for name in ("layer_types", "layers_block_type"):
-        value = getattr(config, name, None)
-        if isinstance(value, (list, tuple)) and value:
-            return list(value)
-    return []
 
 
 def check(model) -> None:

@@ -19,7 +19,7 @@ from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
-from . import checkpointing, logits as logit_maps, router_loss
+from . import checkpointing, logits as logit_maps, mixers, router_loss
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
 # description of the packed documents, which ringseq reads from position_ids instead.
@@ -51,15 +51,15 @@ def _drop_packing_metadata(kwargs: dict, position_ids, recurrent: bool) -> None:
     if given and recurrent:
         raise RingSeqError(f"{', '.join(given)} make the recurrent layers of a hybrid model restart their states at "
                            f"every packed document (with the FLA / mamba-ssm kernels; transformers' PyTorch path "
-                           f"refuses them), which ringseq does not reproduce: pass packed documents as position_ids "
-                           f"alone (attention keeps them apart, the recurrent layers run across them, as the "
-                           f"PyTorch path does), or train without packing")
+                           f"refuses or ignores them), which ringseq does not reproduce: pass packed documents as "
+                           f"position_ids alone (attention keeps them apart, the recurrent layers run across them, "
+                           f"as the PyTorch path does), or train without packing")
     for k in PACKING_METADATA:
         kwargs.pop(k, None)
 
 
 def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
-           ringseq) -> tuple[dict, ShardedBatch]:
+           ringseq, counted: bool) -> tuple[dict, ShardedBatch]:
     """This rank's inputs and the batch's facts: sharded here from the full batch, or as
     ``ringseq.shard_batch`` made them (its ``labels`` are then already shifted)."""
     if ringseq is None:
@@ -78,8 +78,8 @@ def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, label
              "attention_mask": attention_mask, "labels": targets}
     if targets is None:  # the caller took the labels out: logits only
         facts = dataclasses.replace(facts, labels=None, count=None)
-    elif targets is not facts.labels:  # labels of the caller's own: count them over the group
-        facts = dataclasses.replace(facts, labels=targets, count=count_targets(targets, handle.sp))
+    elif targets is not facts.labels:  # labels of the caller's own: count them over the group (unless given)
+        facts = dataclasses.replace(facts, labels=targets, count=None if counted else count_targets(targets, handle.sp))
     return local, facts
 
 
@@ -102,14 +102,17 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
-                          ringseq)
+                          ringseq, counted=num_items_in_batch is not None)
     router = _router(self, handle, kwargs)
     if handle.recurrent and local.get("attention_mask") is not None:
         kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this rank's shard
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
-        out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
-                                 position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
+        with mixers.patched_forward():
+            out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                                     position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
+    except RingSeqError:
+        raise  # ringseq's own failures have told the peers already
     except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)
         lockstep.mark_failed(handle.sp, f"the patched forward: {type(exc).__name__}: {exc}")
         raise
@@ -162,7 +165,8 @@ def _preprocessed(model, hidden, labels, fn, batch: ShardedBatch):
     with torch.no_grad():
         for a in range(0, s, step):
             part = fn(_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
-            if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, hidden[:, a:a + step].size(1)):
+            n = hidden[:, a:a + step].size(1)
+            if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, n):
                 raise RingSeqError("preprocess_logits_for_metrics must work token by token under ringseq (it is "
                                    "applied to slabs of logits [B, n, V] and must return [B, n, ...], e.g. "
                                    f"logits.argmax(-1)); it returned {type(part).__name__} "

@@ -86,6 +86,10 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         raise RingSeqError(f"ringseq.patch takes a transformers model object, got {type(model).__name__}: load it "
                            f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
     handle = getattr(model, "_ringseq_patch", None)
+    if sp.layout == "striped" and mixers.has_recurrent_layers(model):
+        raise RingSeqError("recurrent layers (linear attention, state-space, short convolutions) run a sequence in "
+                           "order: the striped layout gives every rank every P-th token, so no rank holds a run of "
+                           "them. Use layout='zigzag' (default) or 'contiguous'")
     if handle is not None:
         handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
         if tiled_mlp != handle.tiled_mlp:

@@ -37,5 +37,5 @@ def problems(model) -> list[str]:
     kind = getattr(config, "model_type", "")
     known = {"falcon_h1": ("lm_head_multiplier",), **{k: ("logits_scaling",) for k in GRANITE}}.get(kind, ())
     odd = [n for n in SCALINGS if n not in known and getattr(config, n, None) not in (None, 1, 1.0)]
-    return [f"a logit scaling ringseq does not know for {kind} ({', '.join(f'{n}={getattr(config, n)}' for n in odd)}): "
-            f"its loss would miss it"] if odd else []
+    named = ", ".join(f"{n}={getattr(config, n)}" for n in odd)
+    return [f"a logit scaling ringseq does not know for {kind} ({named}): its loss would miss it"] if odd else []

@@ -17,6 +17,8 @@ unpatched.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import sys
 import weakref
@@ -32,7 +34,8 @@ MIXERS = {
     "Qwen3_5GatedDeltaNet": "gated DeltaNet", "Qwen3_5MoeGatedDeltaNet": "gated DeltaNet",
     "Qwen3NextGatedDeltaNet": "gated DeltaNet", "OlmoHybridGatedDeltaNet": "gated DeltaNet",
     "KimiLinearDeltaAttention": "KDA", "BambaMixer": "Mamba2", "GraniteMoeHybridMambaLayer": "Mamba2",
-    "NemotronHMamba2Mixer": "Mamba2", "FalconH1Mixer": "Mamba2", "Lfm2ShortConv": "short convolution",
+    "NemotronHMamba2Mixer": "Mamba2", "FalconH1Mixer": "Mamba2", "Zamba2MambaMixer": "Mamba2",
+    "Lfm2ShortConv": "short convolution",
     "Lfm2MoeShortConv": "short convolution",
 }
 DECODE_ONLY = ("causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention",
@@ -74,8 +77,7 @@ def _delta_rule(original, batch, query, key, value, g, beta, chunk_size=64, init
 
 def _mamba2(original, batch, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
             dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
-    """Mamba2's chunked scan on this rank's runs (its inputs as the mixer gives them: the scan's
-    own arithmetic on dt happens in dt's dtype)."""
+    """Mamba2's chunked scan on this rank's runs (float32 output, as the PyTorch scan returns)."""
     _no_state(original.__name__, initial_states, return_final_states)
     if kwargs.get("seq_idx") is not None:
         raise RingSeqError("seq_idx describes packed documents whose states reset at their starts; ringseq cannot "
@@ -87,8 +89,10 @@ def _mamba2(original, batch, hidden_states, dt, A, B, C, chunk_size, D=None, dt_
                         initial_states=init, dt_softplus=dt_softplus, dt_limit=dt_limit, return_final_states=True,
                         **kwargs)
 
-    return recurrent.state_passing(recurrent.Mamba2, run, {"x": hidden_states, "dt": dt, "B": B, "C": C}, "x", N,
-                                   batch)
+    # x, B and C in float32, as the PyTorch scan computes them anyway (mamba-ssm would return its output in x's
+    # dtype, rounding the widened columns); dt as the mixer gives it: the scan's own arithmetic on it runs in its dtype
+    inputs = {"x": hidden_states.float(), "dt": dt, "B": B.float(), "C": C.float()}
+    return recurrent.state_passing(recurrent.Mamba2, run, inputs, "x", N, batch)
 
 
 def _fused_mamba2(original, batch, *args, **kwargs):
@@ -108,12 +112,30 @@ _users: dict[str, weakref.WeakSet] = {}
 """modeling module name -> the patch handles of models whose mixers live there."""
 
 
+_IN_FORWARD = contextvars.ContextVar("ringseq_patched_forward", default=False)
+
+
+@contextlib.contextmanager
+def patched_forward():
+    """Inside a patched forward, a recurrent kernel called without ringseq's batch would mix this
+    rank's tokens alone (a family that stopped handing its keyword arguments down): refused."""
+    token = _IN_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_FORWARD.reset(token)
+
+
 def _dispatcher(original, name: str):
     @functools.wraps(original)
     def dispatch(*args, ringseq=None, **kwargs):
-        if ringseq is None:
-            return original(*args, **kwargs)
-        return SHARDED[name](original, ringseq, *args, **kwargs)
+        if ringseq is not None:
+            return SHARDED[name](original, ringseq, *args, **kwargs)
+        if _IN_FORWARD.get():
+            raise RingSeqError(f"{name} was called inside a patched forward without ringseq's batch (the model no "
+                               f"longer hands its keyword arguments to its recurrent kernels): it would mix this "
+                               f"rank's tokens alone. This transformers release is not one ringseq supports here")
+        return original(*args, **kwargs)
 
     dispatch.ringseq_original = original
     return dispatch
@@ -161,9 +183,3 @@ def uninstall(handle) -> None:
 
 def has_recurrent_layers(model) -> bool:
     return any(type(m).__name__ in MIXERS for m in model.modules())
-
-
-def check_mask(attention_mask) -> None:
-    if torch.is_tensor(attention_mask) and attention_mask.dim() != 2:
-        raise RingSeqError("recurrent layers zero padding with the 2-D padding mask; pass a [batch, sequence] "
-                           "attention_mask")

@@ -49,7 +49,8 @@ def plan(model) -> RouterLoss | None:
     for options in names:
         value = next((getattr(model, n) for n in options if isinstance(getattr(model, n, None), (int, float))), None)
         if value is None:
-            value = next((getattr(model.config, n) for n in options if getattr(model.config, n, None) is not None), None)
+            config = model.config
+            value = next((getattr(config, n) for n in options if getattr(config, n, None) is not None), None)
         if value is None:
             raise RingSeqError(f"{type(model).__name__} adds a router loss but has none of {options}: ringseq cannot "
                                f"reproduce it; set output_router_logits=False")
@@ -89,9 +90,12 @@ def _sums(router_logits, loss: RouterLoss, weights: torch.Tensor | None) -> torc
     return torch.cat([counts, probs, torch.as_tensor(rows, dtype=torch.float64, device=probs.device).reshape(1)])
 
 
-def _value(sums: torch.Tensor, loss: RouterLoss) -> torch.Tensor:
+def _value(sums: torch.Tensor, loss: RouterLoss, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """E x sum_e (assignments_e / rows) (probabilities_e / rows), from ``_sums`` (``probs``:
+    the probability sums to use instead of the ones in ``sums``)."""
     E = loss.experts
-    counts, probs, rows = sums[:E], sums[E:2 * E], sums[2 * E]
+    counts, rows = sums[:E], sums[2 * E]
+    probs = sums[E:2 * E] if probs is None else probs
     return (counts / rows * (probs / rows)).sum() * E
 
 
@@ -111,8 +115,5 @@ def aux_loss(router_logits, loss: RouterLoss, batch, attention_mask: torch.Tenso
     if sp.size > 1:
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the router loss sums", peer=None)
-    E = loss.experts
-    counts = total[:E]  # the top-k assignments carry no gradient
-    probs = local[E:2 * E] + (total[E:2 * E] - local[E:2 * E]).detach()
-    rows = total[2 * E]
-    return ((counts / rows) * (probs / rows)).sum() * E
+    E = loss.experts  # the global value, the gradient of this rank's probabilities (assignments carry none)
+    return _value(total, loss, probs=local[E:2 * E] + (total[E:2 * E] - local[E:2 * E]).detach())

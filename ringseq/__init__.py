@@ -20,9 +20,9 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init", "initialize",
-           "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync", "ring_attention", "shard",
-           "shard_batch", "stats", "token_info", "unpatch"]
+__all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init",
+           "initialize", "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync", "ring_attention",
+           "shard", "shard_batch", "stats", "token_info", "unpatch"]
 
 
 def __getattr__(name):

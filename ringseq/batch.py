@@ -153,8 +153,8 @@ def check_batch(batch: dict) -> None:
                            f"(add a batch dimension: x[None])")
     B, S = tokens.shape[:2]
     if B == 0 or S == 0:
-        raise RingSeqError(f"the batch is empty: input_ids/inputs_embeds have shape {tuple(tokens.shape)} (a batch needs "
-                           f"at least one sample of at least one token)")
+        raise RingSeqError(f"the batch is empty: input_ids/inputs_embeds have shape {tuple(tokens.shape)} (a batch "
+                           f"needs at least one sample of at least one token)")
     if "input_ids" in batch and (batch["input_ids"].is_floating_point() or batch["input_ids"].dtype == torch.bool):
         raise RingSeqError(f"input_ids must hold integer token ids, got {batch['input_ids'].dtype}")
     for key in ("labels", "shift_labels"):

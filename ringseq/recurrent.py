@@ -135,8 +135,9 @@ class _Halos(list):
 
 
 def conv_halo(x: torch.Tensor, width: int, batch) -> list[torch.Tensor]:
-    """For x [B, C, s] (this rank's tokens), the ``width`` inputs before each of this rank's runs,
-    in global order [B, C, width] (zeros before the sequence's first token)."""
+    """For x [B, C, s] (this rank's tokens), the ``width`` inputs (a convolution's kernel size
+    minus one) before each of this rank's runs, in global order [B, C, width] (zeros before the
+    sequence's first token)."""
     mine, every = _my_runs(batch)
     R = max(len(r) for r in every)
     B, C, _ = x.shape
@@ -254,9 +255,12 @@ def state_passing(kind, run_kernel, inputs: dict, value_name: str, extra: int, b
     local = torch.stack(summaries + [torch.zeros_like(summaries[0])] * (R_max - len(summaries)))
     gathered = gather_summed(local, batch.sp, "state summaries")  # [P, R, B, H, rows, cols]
     ordered = sorted((run.start, run.rank, i) for r in every for i, run in enumerate(r))
+    last = max(run.start for run in mine)
     entering, S = {}, None
     for start, rank, i in ordered:
         entering[(rank, i)] = S
+        if start >= last:
+            break  # no run of this rank comes later
         S = kind.fold(S, gathered[rank, i], Dv)
     results = [kind.correct(o, R, entering[(batch.sp.rank, i)]) for i, (o, R) in enumerate(zip(outs, Rs))]
     # contiguous, as the kernel's own output is (callers view it)

@@ -36,7 +36,8 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
 
 
 def check_features(q, causal, scale, window, softcap, sinks) -> None:
-    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf):
+    number = not isinstance(scale, bool) and isinstance(scale, (int, float))
+    if scale is not None and not (number and 0 < scale < math.inf):
         raise RingSeqError(f"scale must be a positive finite number (the factor on q.k; None: 1/sqrt(head dim)), "
                            f"got {scale!r}")
     if window is not None:

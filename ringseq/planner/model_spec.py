@@ -54,11 +54,14 @@ class ModelSpec:
     tied: bool = False
     """input and output embeddings shared"""
     recurrent: RecurrentSpec | None = None
-    """A hybrid's recurrent layers (the other L - recurrent.layers are attention layers)."""
+    """A hybrid's recurrent layers."""
+    attention: int | None = None
+    """Layers with softmax attention (None: all L; a hybrid's pattern says: Falcon-H1 has attention
+    beside Mamba2 in every layer, Nemotron-H blocks of only an MLP have none)."""
 
     @property
     def attention_layers(self) -> int:
-        return self.L - (self.recurrent.layers if self.recurrent else 0)
+        return self.L if self.attention is None else self.attention
 
     @property
     def layer_params(self) -> int:
@@ -83,10 +86,9 @@ def model_spec(model) -> ModelSpec:
             raise RingSeqError(f"no model config at {path!r}: give a config.json path, a dict or a transformers config")
         with open(path) as f:
             model = json.load(f)
+    wanted = REQUIRED + ("num_hidden_layers", "num_key_value_heads", "head_dim", "tie_word_embeddings", "text_config")
     fields = dict(model) if isinstance(model, dict) else {k: getattr(model, k) for k in dir(model)
-                                                        if not k.startswith("_") and k in
-                                                        REQUIRED + ("num_hidden_layers", "num_key_value_heads", "head_dim",
-                                                                    "tie_word_embeddings", "text_config") + HYBRID}
+                                                        if not k.startswith("_") and k in wanted + HYBRID}
     if "text_config" in fields and "hidden_size" not in fields:  # multimodal wrappers keep the LM inside
         return model_spec(fields["text_config"])
     missing = [k for k in REQUIRED if fields.get(k) is None]
@@ -98,33 +100,47 @@ def model_spec(model) -> ModelSpec:
     D = int(fields.get("head_dim") or fields["hidden_size"] // H)
     if H % K:
         raise RingSeqError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {K}")
-    L = int(fields.get("num_hidden_layers") or len(_layer_types(fields)))
+    L = int(fields.get("num_hidden_layers") or len(layer_types(fields)))
     if L < 1:
         raise RingSeqError("model config lacks num_hidden_layers (or a layer_types list)")
     return ModelSpec(d=int(fields["hidden_size"]), F=int(fields["intermediate_size"]), L=L,
                      H=H, K=K, D=D, V=int(fields["vocab_size"]), tied=bool(fields.get("tie_word_embeddings", False)),
-                     recurrent=recurrent_spec(fields, L))
+                     recurrent=recurrent_spec(fields, L), attention=attention_layers(fields, L))
 
 
 HYBRID = ("layer_types", "layers_block_type", "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim",
           "linear_value_head_dim", "linear_conv_kernel_dim", "linear_num_heads", "linear_head_dim", "mamba_n_heads",
           "mamba_num_heads", "mamba_d_head", "mamba_head_dim", "mamba_d_state", "ssm_state_size", "mamba_d_conv",
           "conv_kernel", "mamba_expand", "mamba_d_ssm", "mamba_n_groups", "n_groups", "conv_L_cache", "model_type",
-          "attn_layer_indices", "mamba_chunk_size", "chunk_size")
+          "attn_layer_indices", "mamba_chunk_size", "chunk_size", "n_mamba_heads", "mamba_headdim", "mamba_ngroups")
 RECURRENT_TYPES = {"linear_attention", "mamba", "conv", "hybrid"}
+ATTENTION_TYPES = {"full_attention", "sliding_attention", "attention", "hybrid"}
+"""Layer kinds of the families' ``layer_types`` / ``layers_block_type`` (``hybrid``: both at once,
+Falcon-H1); ``patches.checks`` reads the same sets."""
 
 
-def _layer_types(fields: dict) -> list:
+def layer_types(fields) -> list:
+    """A config's layer kinds (a dict of its fields or the config), under either name families use."""
     for name in ("layer_types", "layers_block_type"):
-        value = fields.get(name)
+        value = fields.get(name) if isinstance(fields, dict) else getattr(fields, name, None)
         if isinstance(value, (list, tuple)) and value:
             return list(value)
     return []
 
 
+def attention_layers(fields: dict, L: int) -> int | None:
+    """Layers with softmax attention, when a hybrid's pattern says (None: all of them)."""
+    types = layer_types(fields)
+    if fields.get("model_type") == "falcon_h1":
+        return L
+    if fields.get("attn_layer_indices") is not None and not types:  # bamba
+        return len(fields["attn_layer_indices"])
+    return sum(t in ATTENTION_TYPES for t in types) if types else None
+
+
 def recurrent_spec(fields: dict, L: int) -> RecurrentSpec | None:
     """The recurrent layers a config describes (its layer pattern and its family's fields)."""
-    types = _layer_types(fields)
+    types = layer_types(fields)
     layers = sum(t in RECURRENT_TYPES for t in types)
     if fields.get("model_type") == "falcon_h1":
         layers = L  # Mamba2 beside attention in every layer
@@ -141,14 +157,14 @@ def recurrent_spec(fields: dict, L: int) -> RecurrentSpec | None:
         return RecurrentSpec(kind="delta", layers=layers, heads=heads, key_heads=key_heads, rows=dk, cols=dv,
                              channels=2 * key_heads * dk + heads * dv,
                              width=int(fields.get("linear_conv_kernel_dim") or 4))
-    mamba_heads = fields.get("mamba_n_heads") or fields.get("mamba_num_heads")
+    mamba_heads = fields.get("mamba_n_heads") or fields.get("mamba_num_heads") or fields.get("n_mamba_heads")
     if mamba_heads:
         heads = int(mamba_heads)
         inner = int(fields.get("mamba_d_ssm") or fields.get("mamba_expand", 2) * d)
-        dh = fields.get("mamba_d_head") or fields.get("mamba_head_dim")
+        dh = fields.get("mamba_d_head") or fields.get("mamba_head_dim") or fields.get("mamba_headdim")
         dh = int(dh) if isinstance(dh, int) else inner // heads
         n = int(fields.get("mamba_d_state") or fields.get("ssm_state_size") or 128)
-        groups = int(fields.get("mamba_n_groups") or fields.get("n_groups") or 1)
+        groups = int(fields.get("mamba_n_groups") or fields.get("n_groups") or fields.get("mamba_ngroups") or 1)
         return RecurrentSpec(kind="mamba2", layers=layers, heads=heads, key_heads=heads, rows=n, cols=dh,
                              channels=heads * dh + 2 * groups * n,
                              width=int(fields.get("mamba_d_conv") or fields.get("conv_kernel") or 4),

@@ -73,13 +73,14 @@ def a_lost_state_is_seen(family: str, part: str):
     raise AssertionError(f"{family}: a lost {part} state went unseen by the parity check")
 
 
-def router_loss_of_the_whole_sequence(family: str, kind: str = "padded"):
+def router_loss_of_the_whole_sequence(family: str, kind: str = "padded", short: int = 0):
     """output_router_logits=True: the loss includes the router's auxiliary loss of the whole
-    sequence (padding weighted out as the unpatched model does), exact by the 2x rule, and
-    ``aux_loss`` is the unpatched model's on every rank."""
+    sequence (padding weighted out as the unpatched model does; ``short`` tokens fewer than the
+    layout splits: its own padding is never counted), exact by the 2x rule, and ``aux_loss`` is
+    the unpatched model's on every rank."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
-    batch = make_batch(2, 32 * world, kind, left_pad=False)
+    batch = make_batch(2, 32 * world - short, kind, left_pad=False)
 
     def model_of(dtype):
         model = tiny_model(family, dtype)
@@ -119,10 +120,13 @@ def hybrid_refusals():
     striped = shared_init(sp_size=world, layout="striped")
     sp = shared_init(sp_size=world)
     batch = make_batch(2, 32 * world, "packed")
-    model = ringseq.patch(tiny_model("qwen3_5"), sp=striped)
+    model = tiny_model("qwen3_5")
     with pytest.raises(ringseq.RingSeqError, match="striped layout gives every rank every P-th token"):
-        model(**batch)
+        ringseq.patch(model, sp=striped)
+    assert not hasattr(model, "_ringseq_patch")
     ringseq.patch(model, sp=sp)
+    with pytest.raises(ringseq.RingSeqError, match="striped layout"):
+        ringseq.patch(model, sp=striped)  # re-patching onto a striped group: refused too
     cu = torch.tensor([0, 7, 32 * world], dtype=torch.int32)
     with pytest.raises(ringseq.RingSeqError, match="restart their states at every packed document"):
         model(**batch, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=32 * world, max_length_k=32 * world)

@@ -65,6 +65,11 @@ def hybrid_config(family: str):
     if family == "bamba":
         return tf.BambaConfig(**COMMON, **MAMBA, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
                               num_key_value_heads=1, attn_layer_indices=[1], mamba_expand=2)
+    if family == "zamba2":  # Mamba2 layers and shared attention blocks
+        return tf.Zamba2Config(**COMMON, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+                               num_key_value_heads=2, attention_head_dim=16, mamba_d_state=8, mamba_headdim=8,
+                               mamba_ngroups=1, n_mamba_heads=8, chunk_size=16, use_mem_rope=True, num_mem_blocks=1,
+                               layers_block_type=["mamba", "hybrid", "mamba", "hybrid"])
     if family == "lfm2":
         return tf.Lfm2Config(**COMMON, intermediate_size=64, num_hidden_layers=2, block_auto_adjust_ff_dim=False,
                              num_attention_heads=2, num_key_value_heads=1, conv_L_cache=3, conv_bias=False,
@@ -78,7 +83,7 @@ def hybrid_config(family: str):
 
 
 HYBRIDS = ("qwen3_5", "qwen3_5_moe", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h", "granitemoehybrid",
-           "falcon_h1", "bamba", "lfm2", "lfm2_moe")
+           "falcon_h1", "bamba", "zamba2", "lfm2", "lfm2_moe")
 MOE_FAMILIES = ("qwen3_5_moe", "qwen3_next", "kimi_linear", "nemotron_h", "granitemoehybrid", "lfm2_moe")
 WITH_ROUTER_LOSS = ("qwen3_5_moe", "qwen3_next", "granitemoehybrid")
 CHUNK = {"qwen3_5": 64, "qwen3_5_moe": 64, "qwen3_next": 64, "olmo_hybrid": 64, "kimi_linear": 64}
