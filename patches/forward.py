@@ -85,20 +85,28 @@ def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, label
 
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
             shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
-            fused_lm_head=False, logits_fn=None, **kwargs):
+            fused_lm_head=False, logits_fn=None, logits_to_keep=0, **kwargs):
     """Patched forward: the full batch in (on every rank of the sequence group), the global loss
     and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
     ``ringseq``) is taken as it is; its ``labels`` are already shifted. ``fused_lm_head=True``
     (TRL's fused LM head) returns per-token log-probabilities instead (``patches.fused_head``).
     ``logits_fn(logits, labels)`` (a Trainer's ``preprocess_logits_for_metrics``) is applied to
     this rank's logits a slab of tokens at a time and ``logits`` is its result for the whole
-    sequence in global order: full-vocabulary logits of the shard are never held."""
+    sequence in global order: full-vocabulary logits of the shard are never held. With a KV
+    cache (``use_cache=True`` or ``past_key_values``: ``generate``'s calls) it prefills or decodes
+    over the group's sharded cache instead (``patches.generation``): logits of the last token only
+    in the prefill, of the new tokens (or the last ``logits_to_keep``) in a decode step."""
     handle = self._ringseq_patch
-    if past_key_values is not None or use_cache:
-        raise RingSeqError("a patched model trains on whole sequences: KV caches (use_cache, past_key_values) "
-                           "are not supported; ringseq.unpatch(model) before generating")
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
+    if past_key_values is not None or use_cache:
+        from .generation import cached_forward
+
+        if fused_lm_head or logits_fn is not None:
+            raise RingSeqError("fused_lm_head / logits_fn with a KV cache: generation computes plain logits")
+        kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
+        return cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask, position_ids,
+                              logits_to_keep, kwargs)
     _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,

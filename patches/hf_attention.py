@@ -15,18 +15,20 @@ import torch
 
 from ringseq import lockstep
 from ringseq.attention import ring_attention
+from ringseq.attention.decode import decode_attention
 from ringseq.errors import RingSeqError
 
+from .cache import DecodeStep
 from .documents import probe_mask_call
 
 # Keyword arguments transformers (5.x) hands every attention function that ringseq may ignore:
 # the layer's position ids (this rank's shard; the rotary embedding has used them and the
-# documents are in ``ringseq``), caching flags (a patched model never caches) and output flags
-# that attention does not read.
+# documents are in ``ringseq``), caching flags (the layer has used its cache before attention is
+# called) and output flags that attention does not read.
 IGNORED = frozenset({"position_ids", "cache_position", "output_hidden_states", "num_items_in_batch",
                      "output_router_logits", "return_dict"})
 # Arguments that are fine only with these values.
-ALLOWED_VALUES = {"use_cache": (False, None), "output_attentions": (False, None), "is_causal": (True, None)}
+ALLOWED_VALUES = {"use_cache": (False, True, None), "output_attentions": (False, None), "is_causal": (True, None)}
 
 
 def mask_function(*args, use_vmap: bool = False, **kwargs):
@@ -45,7 +47,7 @@ def _check_kwargs(kwargs: dict) -> None:
     for name, allowed in ALLOWED_VALUES.items():
         if kwargs.get(name) not in allowed:
             raise RingSeqError(f"attention got {name}={kwargs[name]!r}, which ringseq does not reproduce (it computes "
-                               f"causal attention without a cache or attention weights); leave {name} unset")
+                               f"causal attention without attention weights); leave {name} unset")
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED and k not in ALLOWED_VALUES)
     if unknown:
         raise RingSeqError(f"attention got arguments ringseq does not read: {', '.join(unknown)} (e.g. flash-attention "
@@ -67,6 +69,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                            f"config.attention_dropout = 0.0")
     if not getattr(module, "is_causal", True):
         raise RingSeqError("bidirectional attention is not supported; ringseq patches causal decoders")
+    if isinstance(ringseq, DecodeStep):  # generation: the new tokens over every rank's cache shard
+        held = ringseq.cache.last_layer  # the keys this layer's cache just returned: their indices and padding
+        if held is None or held.keys is not key:
+            raise RingSeqError("a decode step's attention got keys that are not the sharded cache's: this model "
+                               "does not read its keys from past_key_values.update, which ringseq needs")
+        with lockstep.layer(getattr(module, "layer_idx", None)):
+            out = decode_attention(query, key, value, sp=ringseq.sp, q_pos=ringseq.q_pos, k_pos=held.positions,
+                                   k_valid=held.valid, scale=scaling, window=sliding_window, softcap=softcap,
+                                   sinks=s_aux)
+        return out.transpose(1, 2).contiguous(), None
     with lockstep.layer(getattr(module, "layer_idx", None)):
         out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,
                              softcap=softcap, sinks=s_aux, token_info=ringseq.info)

@@ -3,9 +3,10 @@
 What is patched, and why: the model's attention implementation becomes "ringseq"
 (``set_attn_implementation``, through the registry), and the model instance gets its own
 ``forward`` (an instance attribute; the class is untouched): ``patches.forward``, which shards
-the full batch and runs the model's own decoder on this rank's shard. ``unpatch`` deletes the
-instance attribute and restores the previous attention implementation, leaving the model
-exactly as it was. A patched model can be deep-copied (an EMA or a reference model): the copy
+the full batch and runs the model's own decoder on this rank's shard, and its own ``generate``
+(``patches.generation``: the prompt prefilled through the ring, the KV cache kept sharded).
+``unpatch`` deletes the instance attributes and restores the previous attention
+implementation, leaving the model exactly as it was. A patched model can be deep-copied (an EMA or a reference model): the copy
 is patched over the same sequence group.
 """
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ringseq.topology import check_sp
 from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling
 from .documents import isolates_documents
 from .forward import forward as _forward
+from .generation import generate as _generate
 from .registry import NAME, register
 
 
@@ -49,6 +51,8 @@ class PatchHandle:
     """Whether the model has recurrent layers (they read the padding mask from the decoder's inputs)."""
     router_loss: object = None
     """The MoE auxiliary loss the unpatched model adds (``patches.router_loss``), or None."""
+    previous_generate: object = None
+    """An instance-level generate that was there before, restored by ``unpatch``."""
 
     def __deepcopy__(self, memo):
         # the sequence group (process groups) is shared, never copied: a copied model trains on the same ranks
@@ -99,6 +103,8 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
             handle.tiled_mlp = tiled_mlp
         if getattr(vars(model).get("forward"), "__func__", None) is not _forward:
             model.forward = types.MethodType(_forward, model)
+        if getattr(vars(model).get("generate"), "__func__", None) is not _generate:
+            model.generate = types.MethodType(_generate, model)
         return model
     checks.check(model)
     if tiled_mlp is not None:
@@ -108,6 +114,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     register()
     handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
                          chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
+                         previous_generate=vars(model).get("generate"),
                          keep_ring_outputs=bool(keep_ring_outputs), recurrent=mixers.has_recurrent_layers(model),
                          router_loss=router)
     model.set_attn_implementation(NAME)
@@ -118,6 +125,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         raise
     model._ringseq_patch = handle
     model.forward = types.MethodType(_forward, model)
+    model.generate = types.MethodType(_generate, model)
     mixers.install(model, handle)
     if tiled_mlp is not None:
         tiling.install(model, tiled_mlp)
@@ -153,5 +161,9 @@ def unpatch(model):
         del model.forward
     else:
         model.forward = handle.previous_forward
+    if handle.previous_generate is None:
+        vars(model).pop("generate", None)
+    else:
+        model.generate = handle.previous_generate
     del model._ringseq_patch
     return model

@@ -11,9 +11,11 @@ with dispatchers: a call that carries the ``ringseq`` keyword argument (the patc
 family's kernel on this rank's runs with state passing (``ringseq.recurrent``); any other call
 (an unpatched model in the same process) goes to the original function unchanged. The fused
 Mamba2 kernel (``mamba2_split_conv1d_scan_combined``, mamba-ssm's one-call mixer) answers None
-under ringseq, so the mixer takes its own split path (convolution, then scan). Decode-step
-functions refuse. The originals come back when the last patched model using a module is
-unpatched.
+under ringseq, so the mixer takes its own split path (convolution, then scan). In a generation's
+prefill the kernels also return the state after the whole prompt (every run folded, the same on
+every rank); its decode steps (``ringseq`` is a ``DecodeStep``) run the family's own step
+functions unchanged, on every rank alike. The originals come back when the last patched model
+using a module is unpatched.
 """
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ import torch
 
 from ringseq import recurrent
 from ringseq.errors import RingSeqError
+
+from .cache import DecodeStep
 
 # The mixers ringseq shards exactly (tested against the unpatched model in tests/integration),
 # by class name; any other sequence-mixing module is refused by name (``patches.checks``).
@@ -47,17 +51,18 @@ def _conv(original, batch, hidden_states, weight, bias=None, activation=None, **
                                  activation=activation, **kwargs)
 
 
-def _no_state(name, initial, final):
-    if initial is not None or final:
-        raise RingSeqError(f"{name} was called with a recurrent state (a cache) under ringseq; a patched model "
-                           f"trains on whole sequences: ringseq.unpatch(model) before generating")
+def _no_state(name, initial):
+    if initial is not None:
+        raise RingSeqError(f"{name} was called with a recurrent state to start from under ringseq: a sharded "
+                           f"prompt starts from the zero state (generation continues a filled cache one token at "
+                           f"a time); pass the whole sequence as the prompt")
 
 
 def _delta_rule(original, batch, query, key, value, g, beta, chunk_size=64, initial_state=None,
                 output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
     """Gated DeltaNet / KDA on this rank's runs (the kernel in float32, as its torch fallback
     computes anyway, so the widened columns are not rounded to a half dtype)."""
-    _no_state(original.__name__, initial_state, output_final_state)
+    _no_state(original.__name__, initial_state)
     if kwargs.get("cu_seqlens") is not None:
         raise RingSeqError("cu_seq_lens describe packed documents whose recurrent states reset at their starts; "
                            "ringseq cannot reset them: pass packed documents as position_ids only (the recurrent "
@@ -71,14 +76,16 @@ def _delta_rule(original, batch, query, key, value, g, beta, chunk_size=64, init
 
     inputs = {"query": query.float(), "key": key.float(), "value": value.float(), "g": g.float(),
               "beta": beta.float()}
-    out = recurrent.state_passing(recurrent.DeltaRule, run, inputs, "value", Dk, batch)
+    out = recurrent.state_passing(recurrent.DeltaRule, run, inputs, "value", Dk, batch, whole=output_final_state)
+    if output_final_state:  # a generation's prefill: the state after the whole prompt, for its cache
+        return out[0].to(query.dtype), out[1]
     return out.to(query.dtype), None
 
 
 def _mamba2(original, batch, hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None,
             dt_softplus=False, dt_limit=(0.0, float("inf")), return_final_states=False, **kwargs):
     """Mamba2's chunked scan on this rank's runs (float32 output, as the PyTorch scan returns)."""
-    _no_state(original.__name__, initial_states, return_final_states)
+    _no_state(original.__name__, initial_states)
     if kwargs.get("seq_idx") is not None:
         raise RingSeqError("seq_idx describes packed documents whose states reset at their starts; ringseq cannot "
                            "reset them: pass packed documents as position_ids only")
@@ -92,7 +99,7 @@ def _mamba2(original, batch, hidden_states, dt, A, B, C, chunk_size, D=None, dt_
     # x, B and C in float32, as the PyTorch scan computes them anyway (mamba-ssm would return its output in x's
     # dtype, rounding the widened columns); dt as the mixer gives it: the scan's own arithmetic on it runs in its dtype
     inputs = {"x": hidden_states.float(), "dt": dt, "B": B.float(), "C": C.float()}
-    return recurrent.state_passing(recurrent.Mamba2, run, inputs, "x", N, batch)
+    return recurrent.state_passing(recurrent.Mamba2, run, inputs, "x", N, batch, whole=return_final_states)
 
 
 def _fused_mamba2(original, batch, *args, **kwargs):
@@ -100,8 +107,8 @@ def _fused_mamba2(original, batch, *args, **kwargs):
 
 
 def _decode_only(original, batch, *args, **kwargs):
-    raise RingSeqError(f"{original.__name__} steps a cache one token at a time; a patched model trains on whole "
-                       f"sequences: ringseq.unpatch(model) before generating")
+    raise RingSeqError(f"{original.__name__} steps a cache one token at a time, but it was called on a sharded "
+                       f"sequence: the model stepped its cache inside a prefill, which ringseq does not reproduce")
 
 
 SHARDED = {"causal_conv1d_fn": _conv, "torch_chunk_gated_delta_rule": _delta_rule,
@@ -129,6 +136,8 @@ def patched_forward():
 def _dispatcher(original, name: str):
     @functools.wraps(original)
     def dispatch(*args, ringseq=None, **kwargs):
+        if isinstance(ringseq, DecodeStep):  # generation's decode: every rank steps the same states alike
+            return original(*args, **kwargs)
         if ringseq is not None:
             return SHARDED[name](original, ringseq, *args, **kwargs)
         if _IN_FORWARD.get():

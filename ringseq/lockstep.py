@@ -53,9 +53,10 @@ PAYLOAD = HISTORY + LEDGER
 """The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait seconds)."""
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
-         "exchange backward")
+         "exchange backward", "decode")
 """The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
-convolution halos (``ringseq.recurrent``)."""
+convolution halos (``ringseq.recurrent``); ``decode`` a generation step's all-gather of partial
+attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position")
@@ -203,7 +204,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     deadline = time.monotonic() + sp.timeout  # a rank ahead waits for the others at most this long
     while True:
         mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
-        rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{_at_layer()}")
+        rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{at_layer()}")
         st.peers = rows[:, -LEDGER:].tolist()
         compared = rows[:, :n]
         verdict = "in step" if bool((compared == compared[0]).all()) else None
@@ -278,7 +279,7 @@ def resync(sp, step: int) -> None:
           hint="call ringseq.resync(sp, step) with the same step number on every rank of the group")
 
 
-def _at_layer() -> str:
+def at_layer() -> str:
     return f" (layer {current_layer()})" if current_layer() >= 0 else ""
 
 

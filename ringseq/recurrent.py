@@ -134,10 +134,9 @@ class _Halos(list):
         self.gathered = gathered
 
 
-def conv_halo(x: torch.Tensor, width: int, batch) -> list[torch.Tensor]:
-    """For x [B, C, s] (this rank's tokens), the ``width`` inputs (a convolution's kernel size
-    minus one) before each of this rank's runs, in global order [B, C, width] (zeros before the
-    sequence's first token)."""
+def _tails(x: torch.Tensor, width: int, batch):
+    """Every rank's runs' last ``width`` inputs [P, R, B, C, width] (x [B, C, s] this rank's
+    tokens), and the runs in global order: one agreed all-gather with a summing backward."""
     mine, every = _my_runs(batch)
     R = max(len(r) for r in every)
     B, C, _ = x.shape
@@ -145,21 +144,40 @@ def conv_halo(x: torch.Tensor, width: int, batch) -> list[torch.Tensor]:
     for i, run in enumerate(mine):
         n = min(width, run.length)
         tails[i, :, :, width - n:] = x[:, :, run.local + run.length - n: run.local + run.length]
-    every_tail = gather_summed(tails, batch.sp, "convolution halo")  # [P, R, B, C, width]
+    every_tail = gather_summed(tails, batch.sp, "convolution halo")
     ordered = sorted((run.start, run.rank, i) for r in every for i, run in enumerate(r))
-    halos = []
-    for run in mine:
-        pieces, need = [], width
-        k = next(j for j, (start, rank, _) in enumerate(ordered) if start == run.start) - 1
-        while need > 0 and k >= 0:
-            _, rank, i = ordered[k]
-            n = min(need, every[rank][i].length)
-            pieces.insert(0, every_tail[rank, i, :, :, width - n:])
-            need, k = need - n, k - 1
-        if need > 0:
-            pieces.insert(0, x.new_zeros(B, C, need))
-        halos.append(torch.cat(pieces, -1))
-    return _Halos(halos, every_tail)
+    return every_tail, every, ordered
+
+
+def _before(start: int, width: int, every_tail, every, ordered, x) -> torch.Tensor:
+    """The ``width`` inputs before global index ``start`` [B, C, width], from the runs' tails
+    (zeros before the sequence's first token)."""
+    pieces, need = [], width
+    k = sum(1 for s, _, _ in ordered if s < start) - 1
+    while need > 0 and k >= 0:
+        _, rank, i = ordered[k]
+        n = min(need, every[rank][i].length)
+        pieces.insert(0, every_tail[rank, i, :, :, width - n:])
+        need, k = need - n, k - 1
+    if need > 0:
+        pieces.insert(0, x.new_zeros(*x.shape[:2], need))
+    return torch.cat(pieces, -1)
+
+
+def conv_halo(x: torch.Tensor, width: int, batch) -> list[torch.Tensor]:
+    """For x [B, C, s] (this rank's tokens), the ``width`` inputs (a convolution's kernel size
+    minus one) before each of this rank's runs, in global order [B, C, width] (zeros before the
+    sequence's first token)."""
+    every_tail, every, ordered = _tails(x, width, batch)
+    mine, _ = _my_runs(batch)
+    return _Halos([_before(run.start, width, every_tail, every, ordered, x) for run in mine], every_tail)
+
+
+def sequence_tail(x: torch.Tensor, width: int, batch) -> torch.Tensor:
+    """The whole sequence's last ``width`` inputs [B, C, width] (x [B, C, s] this rank's tokens),
+    the same on every rank: what a convolution's cache holds after the prompt."""
+    every_tail, every, ordered = _tails(x, width, batch)
+    return _before(batch.padded_length, width, every_tail, every, ordered, x)
 
 
 def causal_conv(kernel, x: torch.Tensor, weight: torch.Tensor, batch, **kwargs) -> torch.Tensor:
@@ -202,7 +220,7 @@ class DeltaRule:
 
     @staticmethod
     def correct(out0, R, S):
-        return out0 if S is None else out0 + torch.einsum("bshk,bhkv->bshv", R, S)
+        return out0 if S is None else out0 + torch.einsum("bshk,bhkv->bshv", R, S.to(R.dtype))
 
 
 class Mamba2:
@@ -230,15 +248,17 @@ class Mamba2:
 
     @staticmethod
     def correct(out0, R, S):
-        return out0 if S is None else out0 + torch.einsum("bshn,bhpn->bshp", R, S)
+        return out0 if S is None else out0 + torch.einsum("bshn,bhpn->bshp", R, S.to(R.dtype))
 
 
-def state_passing(kind, run_kernel, inputs: dict, value_name: str, extra: int, batch):
+def state_passing(kind, run_kernel, inputs: dict, value_name: str, extra: int, batch, whole: bool = False):
     """Run ``run_kernel(**inputs_of_a_run, initial=..., value=widened)`` on each of this rank's
     runs from the widened zero state, exchange the runs' summaries, fold them in global order and
     correct each run's output. ``inputs``: the kernel's per-token tensors [B, s, ...] (sequence on
     dim 1); ``value_name``: the one that carries the state's columns; ``extra``: the state rows
-    (Dk, or Mamba2's N). Returns the output [B, s, H, Dv] in the kernel's output dtype."""
+    (Dk, or Mamba2's N). Returns the output [B, s, H, Dv] in the kernel's output dtype; with
+    ``whole``, also the state after the whole sequence (every run folded: the same on every rank,
+    what a cache holds after the prompt)."""
     mine, every = _my_runs(batch)
     value = inputs[value_name]
     Dv = value.size(-1)
@@ -259,9 +279,10 @@ def state_passing(kind, run_kernel, inputs: dict, value_name: str, extra: int, b
     entering, S = {}, None
     for start, rank, i in ordered:
         entering[(rank, i)] = S
-        if start >= last:
+        if start >= last and not whole:
             break  # no run of this rank comes later
         S = kind.fold(S, gathered[rank, i], Dv)
     results = [kind.correct(o, R, entering[(batch.sp.rank, i)]) for i, (o, R) in enumerate(zip(outs, Rs))]
     # contiguous, as the kernel's own output is (callers view it)
-    return anchored(results[0].contiguous() if len(results) == 1 else torch.cat(results, 1), gathered)
+    out = anchored(results[0].contiguous() if len(results) == 1 else torch.cat(results, 1), gathered)
+    return (out, S) if whole else out

@@ -1,0 +1,242 @@
+"""``generate`` on a patched model: the prompt prefilled through the ring, the KV cache kept
+sharded, every new token's attention merged over the group (shapes: ``ringseq.shapes``).
+
+What is patched, and why: ``patch`` sets the instance's ``generate`` to ``generate`` below (an
+instance attribute, removed by ``unpatch``). It refuses what it cannot do exactly, hands
+transformers' own ``generate`` a ``ShardedCache`` (``patches.cache``), and makes sampling draw
+the same tokens on every rank (rank 0's random state, shared for the call). transformers then
+calls the patched forward with that cache, which lands in ``cached_forward``:
+
+- the prefill (the cache is empty): every rank has the whole prompt. It goes in with the
+  layout's padding in front (masked, zero inputs), so the prompt's last token is the sequence's
+  last: causal attention never lets a real token see the padding, and a recurrent layer's state
+  stays zero through it. The batch is sharded like a training batch, each attention layer keeps
+  its shard's keys and values, and only the last token's logits are computed (its hidden state
+  comes from the rank that holds it).
+- a decode step: the new tokens are the same on every rank (checked, every step); every layer
+  runs on every rank, attention over the group's cache shards (``ringseq.attention.decode``), so
+  every rank computes the same logits bit for bit and picks the same token.
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from ringseq import lockstep
+from ringseq.batch import check_same_batch, sharded
+from ringseq.errors import RingSeqError
+from ringseq.layouts import multiple
+
+from . import mixers
+from .cache import ShardedCache
+
+# generation settings ringseq cannot run exactly over a sharded cache, and what to do instead
+REFUSED = {
+    "num_beams": (lambda v: v not in (None, 1), "beam search reorders the cache across beams: use num_beams=1 "
+                                                "(greedy or sampling)"),
+    "num_beam_groups": (lambda v: v not in (None, 1), "group beam search is beam search: use num_beams=1"),
+    "assistant_model": (lambda v: v is not None, "assisted decoding rolls the cache back: drop assistant_model"),
+    "prompt_lookup_num_tokens": (lambda v: v is not None, "prompt-lookup decoding rolls the cache back: drop "
+                                                          "prompt_lookup_num_tokens"),
+    "assistant_early_exit": (lambda v: v is not None, "self-speculative decoding rolls the cache back"),
+    "penalty_alpha": (lambda v: v not in (None, 0), "contrastive search selects cache rows: use greedy or sampling"),
+    "cache_implementation": (lambda v: v not in (None, "dynamic"), "ringseq keeps its own sharded dynamic cache: "
+                                                                   "leave cache_implementation unset"),
+    "output_attentions": (lambda v: bool(v), "ringseq never materialises attention weights"),
+    "output_hidden_states": (lambda v: bool(v), "the prompt's hidden states are sharded over the group: leave "
+                                                "output_hidden_states unset"),
+    "output_logits": (lambda v: bool(v), "only the last token's logits are computed in the prefill: use "
+                                         "output_scores"),
+}
+
+
+def _settings(model, kwargs: dict):
+    """The generation config this call runs with (the model's or the given one, kwargs applied)."""
+    config = copy.deepcopy(kwargs.get("generation_config") or model.generation_config)
+    for key, value in kwargs.items():
+        if hasattr(config, key):
+            setattr(config, key, value)
+    return config
+
+
+def check(model, kwargs: dict) -> None:
+    """Refuse a generate call ringseq cannot run exactly over a sharded cache."""
+    config = _settings(model, kwargs)
+    for key, (bad, fix) in REFUSED.items():
+        value = kwargs[key] if key in kwargs else getattr(config, key, None)
+        if bad(value):
+            raise RingSeqError(f"generate with {key}={value!r} under ringseq: {fix} (or ringseq.unpatch(model) to "
+                               f"generate on one rank)")
+    if kwargs.get("past_key_values") is not None:
+        raise RingSeqError("generate with past_key_values under ringseq: the sharded cache is filled by the prompt; "
+                           "pass the whole sequence as the prompt")
+    for key in ("pixel_values", "pixel_values_videos", "input_features"):
+        if kwargs.get(key) is not None:
+            raise RingSeqError(f"generate with {key} under ringseq: generation is text-only for now")
+
+
+def _rng_states(device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(states, device) -> None:
+    torch.set_rng_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
+
+
+def _share_rng(sp, device) -> None:
+    """Every rank of the group takes group rank 0's random state (so samples agree)."""
+    if sp.size == 1:
+        return
+    states = _rng_states(device)
+    shared = []
+    for state in states:
+        lockstep.agree(sp, "decode", {"random state bytes": state.numel()})
+        t = state.clone()
+        work = dist.broadcast(t, src=sp.ranks[0], group=sp.check_group or sp.group, async_op=True)
+        lockstep.wait(work, sp, "group rank 0's random state", peer=0, gloo=True)
+        shared.append(t)
+    _set_rng_states(shared, device)
+
+
+def generate(self, *args, **kwargs):
+    """``model.generate`` across the sequence group: call it on every rank with the same
+    prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
+    with group rank 0's random state; each rank's own state is put back afterwards), left-padded
+    batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
+    assisted decoding, other caches and continuing from a given cache are refused."""
+    handle = self._ringseq_patch
+    if hasattr(self, "get_base_model"):
+        raise RingSeqError("generate on a PEFT-wrapped patched model: PEFT generates through the inner model, "
+                           "which is not patched; merge the adapter (merge_and_unload) and patch the merged model, "
+                           "or ringseq.unpatch(model) to generate on one rank")
+    check(self, kwargs)
+    device = next(self.parameters()).device
+    own = _rng_states(device)
+    _share_rng(handle.sp, device)
+    cache = ShardedCache(self.config, handle.sp)
+    try:
+        # always with the cache (a model configured with use_cache=False for training still generates the same
+        # tokens; without a cache every step would prefill the whole sequence again)
+        kwargs["use_cache"] = True
+        return type(self).generate(self, *args, past_key_values=cache, **kwargs)
+    finally:
+        _set_rng_states(own, device)
+
+
+def _full_prompt(input_ids, inputs_embeds, attention_mask, position_ids, pad: int) -> dict:
+    """The prompt with ``pad`` masked tokens in front (the layout's padding)."""
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    B, S = tokens.shape[:2]
+    mask = attention_mask if attention_mask is not None else torch.ones(B, S, dtype=torch.long, device=tokens.device)
+    if position_ids is None:
+        position_ids = torch.arange(S, device=tokens.device)
+    if position_ids.dim() > 2 or position_ids.numel() not in (S, B * S):
+        raise RingSeqError(f"position_ids of shape {tuple(position_ids.shape)}: ringseq generates with [batch, "
+                           f"sequence] position ids only")
+    position_ids = position_ids.reshape(-1, S).expand(B, S)
+
+    def front(t, value=0):
+        return torch.cat([t.new_full((B, pad, *t.shape[2:]), value), t], 1)
+
+    full = {"attention_mask": front(mask), "position_ids": front(position_ids)}
+    if input_ids is not None:
+        full["input_ids"] = front(input_ids)
+    else:
+        full["inputs_embeds"] = front(inputs_embeds)
+    return full
+
+
+def _last_hidden(hidden: torch.Tensor, batch) -> torch.Tensor:
+    """The hidden state of the sequence's last token [B, 1, d], from the rank that holds it."""
+    sp = batch.sp
+    here = (batch.positions() == batch.padded_length - 1).nonzero().flatten().tolist()
+    mine = hidden[:, here[0]:here[0] + 1] if here else hidden.new_zeros(hidden.size(0), 1, hidden.size(-1))
+    if sp.size == 1:
+        return mine
+    mine = mine.contiguous()
+    lockstep.agree(sp, "decode", {"last hidden": mine.numel(), "dtype": lockstep.dtype_code(mine)})
+    work = dist.all_reduce(mine, group=sp.group, async_op=True)  # one rank's state plus zeros: exact
+    lockstep.wait(work, sp, f"the prompt's last hidden state ({tuple(mine.shape)})", peer=None)
+    return mine
+
+
+def _logits(model, hidden):
+    from .forward import _logits as full_logits  # the head as the patched forward computes it
+
+    return full_logits(model, hidden)
+
+
+def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, logits_to_keep,
+                   kwargs: dict):
+    """A patched forward with a KV cache (``generate``'s calls): the prefill when the cache is
+    empty, a decode step otherwise. Returns the logits generation reads and the cache."""
+    if cache is None:
+        cache = ShardedCache(model.config, handle.sp)
+    if not isinstance(cache, ShardedCache):
+        raise RingSeqError(f"a patched model caches keys and values sharded over the group; got past_key_values of "
+                           f"type {type(cache).__name__}: call model.generate (it brings ringseq's cache), or pass "
+                           f"past_key_values=ringseq's ShardedCache(model.config, sp)")
+    if cache.sp is not handle.sp:
+        raise RingSeqError("this cache was made for another sequence group than the model's")
+    for key in ("labels", "shift_labels", "ringseq"):
+        if kwargs.get(key) is not None:
+            raise RingSeqError(f"{key} with a KV cache: a patched model computes losses without a cache; drop "
+                               f"use_cache / past_key_values")
+        kwargs.pop(key, None)
+    if cache.seen == 0:
+        hidden = _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+    else:
+        hidden = _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+        keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
+        hidden = hidden[:, -keep:]
+    return CausalLMOutputWithPast(logits=_logits(model, hidden), past_key_values=cache)
+
+
+def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
+    sp = handle.sp
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    S = tokens.size(1)
+    pad = -S % multiple(sp.layout, sp.ring_size, sp.ulysses_size)
+    full = _full_prompt(input_ids, inputs_embeds, attention_mask, position_ids, pad)
+    local, batch = sharded(full, sp=sp, documents_apart=handle.documents_apart)
+    cache.begin_prefill(batch, full["attention_mask"], offset=pad)
+    if handle.recurrent:
+        kwargs["attention_mask"] = local["attention_mask"]
+    try:
+        with mixers.patched_forward():
+            out = model.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                                      position_ids=local["position_ids"], past_key_values=cache, use_cache=True,
+                                      ringseq=batch, **kwargs)
+    except RingSeqError:
+        raise
+    except BaseException as exc:
+        lockstep.mark_failed(sp, f"the prefill: {type(exc).__name__}: {exc}")
+        raise
+    cache.end_prefill(length=S)
+    return _last_hidden(out.last_hidden_state, batch)
+
+
+def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
+    sp = handle.sp
+    tokens = input_ids if input_ids is not None else inputs_embeds
+    B, n = tokens.shape[:2]
+    step = {"input_ids": input_ids} if input_ids is not None else {"inputs_embeds": inputs_embeds}
+    if attention_mask is not None:
+        step["attention_mask"] = attention_mask
+    check_same_batch(step, sp)  # every step: the ranks never go on with different tokens
+    if attention_mask is not None and attention_mask.size(1) != cache.seen + n:
+        raise RingSeqError(f"attention_mask covers {attention_mask.size(1)} tokens, but the cache holds "
+                           f"{cache.seen} and {n} come now")
+    valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long)
+    decode = cache.begin_step(n, valid)
+    return model.get_decoder()(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                               position_ids=position_ids, past_key_values=cache, use_cache=True, ringseq=decode,
+                               **kwargs).last_hidden_state

@@ -1,0 +1,100 @@
+"""Attention of new tokens over a KV cache split across the sequence group (generation's decode).
+
+Every rank keeps the keys and values of some tokens: its share of the prompt, which the ring
+prefilled, and the new tokens it was chosen to keep. The new tokens' queries are on every rank
+(generation feeds every rank the same tokens). Each rank attends to the keys it holds (a partial
+output and its log-sum-exp, in float32, or float64 for a float64 model), one all-gather brings every rank's partials, and every
+rank merges them in group order: the softmax over all keys, exactly, and the same numbers bit
+for bit on every rank (so every rank picks the same next token).
+
+Masks are the ring's (``ringseq.attention.masks``), by global index: key j is visible to query
+i when ``j <= i``, ``i - j < window`` and key j is not padding. Shapes: ``ringseq.shapes``
+(n new tokens, m keys held by this rank).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ringseq import lockstep
+
+KEY_SLAB = 16384
+"""Keys scored at a time: a partial over m keys holds B x H x n x KEY_SLAB floats, never B x H x n x m."""
+
+
+def _scores(q, k, scale: float, softcap):
+    """q [B,K,G,n,D], k [B,K,m,D] -> [B,K,G,n,m] in q's dtype (GQA: K/V never repeated)."""
+    s = torch.einsum("bkgnd,bkmd->bkgnm", q, k.to(q.dtype)) * scale
+    return s if softcap is None else softcap * torch.tanh(s / softcap)
+
+
+def merge(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Partials over disjoint key sets -> the attention over all of them.
+
+    outs [P, ..., Dv] (each normalised over its own keys), lses [P, ...] (their log-sum-exps,
+    -inf where a part saw no key); ``sinks`` [...]-broadcastable per-head logits that take part
+    in the softmax's denominator only (gpt-oss). In and out in float32 (or float64); a row no part
+    saw is 0."""
+    total = torch.logsumexp(lses, 0)
+    if sinks is not None:
+        total = torch.logaddexp(total, sinks.to(total.dtype).expand_as(total))
+    weights = torch.exp(lses - total.unsqueeze(0)).nan_to_num(0.0)  # -inf - -inf: a row nothing saw
+    return (weights.unsqueeze(-1) * outs).sum(0)
+
+
+def partial(q, k, v, *, q_pos, k_pos, k_valid, scale: float, window=None, softcap=None):
+    """This rank's share: q [B,H,n,D] over its keys k [B,K,m,D], v [B,K,m,Dv] at global indices
+    ``k_pos`` [m] (``k_valid`` [B, m]: False for padding) -> (out [B,H,n,Dv], lse [B,H,n]),
+    in float32 (float64 for a float64 q), key slab by key slab."""
+    B, H, n, D = q.shape
+    K, m, Dv = k.size(1), k.size(2), v.size(-1)
+    qg = q.to(torch.promote_types(q.dtype, torch.float32)).reshape(B, K, H // K, n, D)
+    outs, lses = [], []
+    for a in range(0, max(m, 1), KEY_SLAB):
+        b = min(m, a + KEY_SLAB)
+        s = _scores(qg, k[:, :, a:b], scale, softcap)
+        kp = k_pos[a:b]
+        vis = kp[None, :] <= q_pos[:, None]  # [n, m]
+        if window is not None:
+            vis = vis & (q_pos[:, None] - kp[None, :] < window)
+        vis = vis[None] & k_valid[:, None, a:b]  # [B, n, m]
+        s = s.masked_fill(~vis[:, None, None].to(s.device), -math.inf)
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
+        outs.append(torch.einsum("bkgnm,bkmv->bkgnv", p, v[:, :, a:b].to(p.dtype)))
+        lses.append(lse)
+    out, lse = torch.stack(outs), torch.stack(lses)
+    if out.size(0) > 1:
+        out, lse = merge(out, lse), torch.logsumexp(lse, 0)
+    else:
+        out, lse = out[0], lse[0]
+    return out.reshape(B, H, n, Dv), lse.reshape(B, H, n)
+
+
+def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=None, softcap=None,
+                     sinks=None) -> torch.Tensor:
+    """Exact attention of the new tokens' queries q [B,H,n,D] (the same on every rank) over the
+    keys of every rank of ``sp``: this rank's k [B,K,m,D], v [B,K,m,Dv] at global indices
+    ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
+    [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 1)
+    floats, agreed and bounded by ``sp.timeout`` (``ringseq.lockstep``)."""
+    scale = q.size(-1) ** -0.5 if scale is None else scale
+    out, lse = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
+                       window=window, softcap=softcap)
+    mine = torch.cat([out, lse.unsqueeze(-1)], -1).contiguous()
+    if sp.size > 1:
+        lockstep.agree(sp, "decode", {"batch": mine.size(0), "heads": mine.size(1), "tokens": mine.size(2),
+                                      "value dim": mine.size(3) - 1, "dtype": lockstep.dtype_code(q),
+                                      "scale": lockstep.float_bits(scale), "window": window or 0,
+                                      "softcap": lockstep.float_bits(softcap), "sinks": int(sinks is not None)})
+        every = [torch.empty_like(mine) for _ in range(sp.size)]
+        work = dist.all_gather(every, mine, group=sp.group, async_op=True)
+        lockstep.wait(work, sp, f"the decode partials of every rank ({tuple(mine.shape)}){lockstep.at_layer()}",
+                      peer=None)
+        parts = torch.stack(every)
+    else:
+        parts = mine[None]
+    head_sinks = None if sinks is None else sinks.reshape(1, -1, 1)
+    return merge(parts[..., :-1], parts[..., -1], head_sinks).to(q.dtype)
