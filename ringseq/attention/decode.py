@@ -3,8 +3,9 @@
 Every rank keeps the keys and values of some tokens: its share of the prompt, which the ring
 prefilled, and the new tokens it was chosen to keep. The new tokens' queries are on every rank
 (generation feeds every rank the same tokens). Each rank attends to the keys it holds (a partial
-output and its log-sum-exp, in float32, or float64 for a float64 model), one all-gather brings every rank's partials, and every
-rank merges them in group order: the softmax over all keys, exactly, and the same numbers bit
+output with its largest score and its sum of exponentials, in float32, or float64 for a
+float64 model), one all-gather brings every rank's partials, and every rank merges them in
+group order: the softmax over all keys, exactly, and the same numbers bit
 for bit on every rank (so every rank picks the same next token).
 
 Masks are the ring's (``ringseq.attention.masks``), by global index: key j is visible to query
@@ -30,28 +31,35 @@ def _scores(q, k, scale: float, softcap):
     return s if softcap is None else softcap * torch.tanh(s / softcap)
 
 
-def merge(outs: torch.Tensor, lses: torch.Tensor, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Partials over disjoint key sets -> the attention over all of them.
+def merge(outs: torch.Tensor, maxes: torch.Tensor, sums: torch.Tensor, sinks: torch.Tensor | None = None):
+    """Partials over disjoint key sets -> the attention over all of them: (out, max, sum).
 
-    outs [P, ..., Dv] (each normalised over its own keys), lses [P, ...] (their log-sum-exps,
-    -inf where a part saw no key); ``sinks`` [...]-broadcastable per-head logits that take part
-    in the softmax's denominator only (gpt-oss). In and out in float32 (or float64); a row no part
-    saw is 0."""
-    total = torch.logsumexp(lses, 0)
+    outs [P, ..., Dv] (each normalised over its own keys), maxes [P, ...] (each part's largest
+    score, -inf where it saw no key) and sums [P, ...] (its sum of exp(score - max)). ``sinks``
+    [...]-broadcastable per-head logits that take part in the softmax's denominator only
+    (gpt-oss). Maxima and sums rather than log-sum-exps: a log-sum-exp carries an absolute error
+    of its magnitude times the dtype's epsilon, which exp() turns into a relative error of the
+    weights many times the plain softmax's. A row no part saw is 0."""
+    top = maxes.max(0).values
     if sinks is not None:
-        total = torch.logaddexp(total, sinks.to(total.dtype).expand_as(total))
-    weights = torch.exp(lses - total.unsqueeze(0)).nan_to_num(0.0)  # -inf - -inf: a row nothing saw
-    return (weights.unsqueeze(-1) * outs).sum(0)
+        top = torch.maximum(top, sinks.to(top.dtype).expand_as(top))
+    base = top.masked_fill(top == -math.inf, 0.0)
+    scaled = sums * torch.exp(maxes - base.unsqueeze(0))
+    total = scaled.sum(0)
+    denominator = total if sinks is None else total + torch.exp(sinks.to(top.dtype).expand_as(top) - base)
+    weights = (scaled / denominator.unsqueeze(0)).nan_to_num(0.0)  # 0 / 0: a row nothing saw
+    return (weights.unsqueeze(-1) * outs).sum(0), top, total
 
 
 def partial(q, k, v, *, q_pos, k_pos, k_valid, scale: float, window=None, softcap=None):
     """This rank's share: q [B,H,n,D] over its keys k [B,K,m,D], v [B,K,m,Dv] at global indices
-    ``k_pos`` [m] (``k_valid`` [B, m]: False for padding) -> (out [B,H,n,Dv], lse [B,H,n]),
-    in float32 (float64 for a float64 q), key slab by key slab."""
+    ``k_pos`` [m] (``k_valid`` [B, m]: False for padding) -> (out [B,H,n,Dv], max [B,H,n],
+    sum [B,H,n]) as ``merge`` takes them, in float32 (float64 for a float64 q), key slab by key
+    slab."""
     B, H, n, D = q.shape
     K, m, Dv = k.size(1), k.size(2), v.size(-1)
     qg = q.to(torch.promote_types(q.dtype, torch.float32)).reshape(B, K, H // K, n, D)
-    outs, lses = [], []
+    outs, maxes, sums = [], [], []
     for a in range(0, max(m, 1), KEY_SLAB):
         b = min(m, a + KEY_SLAB)
         s = _scores(qg, k[:, :, a:b], scale, softcap)
@@ -61,16 +69,19 @@ def partial(q, k, v, *, q_pos, k_pos, k_valid, scale: float, window=None, softca
             vis = vis & (q_pos[:, None] - kp[None, :] < window)
         vis = vis[None] & k_valid[:, None, a:b]  # [B, n, m]
         s = s.masked_fill(~vis[:, None, None].to(s.device), -math.inf)
-        lse = torch.logsumexp(s, -1)
-        p = torch.exp(s - lse.unsqueeze(-1)).nan_to_num(0.0)
-        outs.append(torch.einsum("bkgnm,bkmv->bkgnv", p, v[:, :, a:b].to(p.dtype)))
-        lses.append(lse)
-    out, lse = torch.stack(outs), torch.stack(lses)
+        top = s.amax(-1) if s.size(-1) else s.new_full(s.shape[:-1], -math.inf)
+        e = torch.exp(s - top.masked_fill(top == -math.inf, 0.0).unsqueeze(-1))
+        total = e.sum(-1)
+        outs.append(torch.einsum("bkgnm,bkmv->bkgnv", e / total.unsqueeze(-1).clamp_min(torch.finfo(e.dtype).tiny),
+                                 v[:, :, a:b].to(e.dtype)))
+        maxes.append(top)
+        sums.append(total)
+    out, top, total = torch.stack(outs), torch.stack(maxes), torch.stack(sums)
     if out.size(0) > 1:
-        out, lse = merge(out, lse), torch.logsumexp(lse, 0)
+        out, top, total = merge(out, top, total)
     else:
-        out, lse = out[0], lse[0]
-    return out.reshape(B, H, n, Dv), lse.reshape(B, H, n)
+        out, top, total = out[0], top[0], total[0]
+    return out.reshape(B, H, n, Dv), top.reshape(B, H, n), total.reshape(B, H, n)
 
 
 def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=None, softcap=None,
@@ -78,15 +89,15 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
     """Exact attention of the new tokens' queries q [B,H,n,D] (the same on every rank) over the
     keys of every rank of ``sp``: this rank's k [B,K,m,D], v [B,K,m,Dv] at global indices
     ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
-    [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 1)
+    [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 2)
     floats, agreed and bounded by ``sp.timeout`` (``ringseq.lockstep``)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    out, lse = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
-                       window=window, softcap=softcap)
-    mine = torch.cat([out, lse.unsqueeze(-1)], -1).contiguous()
+    out, top, total = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
+                              window=window, softcap=softcap)
+    mine = torch.cat([out, top.unsqueeze(-1), total.unsqueeze(-1)], -1).contiguous()
     if sp.size > 1:
         lockstep.agree(sp, "decode", {"batch": mine.size(0), "heads": mine.size(1), "tokens": mine.size(2),
-                                      "value dim": mine.size(3) - 1, "dtype": lockstep.dtype_code(q),
+                                      "value dim": mine.size(3) - 2, "dtype": lockstep.dtype_code(q),
                                       "scale": lockstep.float_bits(scale), "window": window or 0,
                                       "softcap": lockstep.float_bits(softcap), "sinks": int(sinks is not None)})
         every = [torch.empty_like(mine) for _ in range(sp.size)]
@@ -97,4 +108,4 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
     else:
         parts = mine[None]
     head_sinks = None if sinks is None else sinks.reshape(1, -1, 1)
-    return merge(parts[..., :-1], parts[..., -1], head_sinks).to(q.dtype)
+    return merge(parts[..., :-2], parts[..., -2], parts[..., -1], head_sinks)[0].to(q.dtype)
