@@ -77,7 +77,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         with lockstep.layer(getattr(module, "layer_idx", None)):
             out = decode_attention(query, key, value, sp=ringseq.sp, q_pos=ringseq.q_pos, k_pos=held.positions,
                                    k_valid=held.valid, scale=scaling, window=sliding_window, softcap=softcap,
-                                   sinks=s_aux)
+                                   sinks=s_aux, agreed=True)
         return out.transpose(1, 2).contiguous(), None
     with lockstep.layer(getattr(module, "layer_idx", None)):
         out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,

@@ -85,21 +85,25 @@ def partial(q, k, v, *, q_pos, k_pos, k_valid, scale: float, window=None, softca
 
 
 def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=None, softcap=None,
-                     sinks=None) -> torch.Tensor:
+                     sinks=None, agreed: bool = False) -> torch.Tensor:
     """Exact attention of the new tokens' queries q [B,H,n,D] (the same on every rank) over the
     keys of every rank of ``sp``: this rank's k [B,K,m,D], v [B,K,m,Dv] at global indices
     ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
     [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 2)
-    floats, agreed and bounded by ``sp.timeout`` (``ringseq.lockstep``)."""
+    floats, bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
+    a patched model's decode step agrees once on its new tokens, from which every layer's call
+    follows alike on every rank, and spares each layer the agreement's round trip (decode is
+    latency-bound)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     out, top, total = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
                               window=window, softcap=softcap)
     mine = torch.cat([out, top.unsqueeze(-1), total.unsqueeze(-1)], -1).contiguous()
     if sp.size > 1:
-        lockstep.agree(sp, "decode", {"batch": mine.size(0), "heads": mine.size(1), "tokens": mine.size(2),
-                                      "value dim": mine.size(3) - 2, "dtype": lockstep.dtype_code(q),
-                                      "scale": lockstep.float_bits(scale), "window": window or 0,
-                                      "softcap": lockstep.float_bits(softcap), "sinks": int(sinks is not None)})
+        if not agreed:
+            lockstep.agree(sp, "decode", {"batch": mine.size(0), "heads": mine.size(1), "tokens": mine.size(2),
+                                          "value dim": mine.size(3) - 2, "dtype": lockstep.dtype_code(q),
+                                          "scale": lockstep.float_bits(scale), "window": window or 0,
+                                          "softcap": lockstep.float_bits(softcap), "sinks": int(sinks is not None)})
         every = [torch.empty_like(mine) for _ in range(sp.size)]
         work = dist.all_gather(every, mine, group=sp.group, async_op=True)
         lockstep.wait(work, sp, f"the decode partials of every rank ({tuple(mine.shape)}){lockstep.at_layer()}",

@@ -136,15 +136,30 @@ def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: in
     return phases
 
 
+def kv_cache(m: ModelSpec, b: int, s: int, B: int = 1) -> float:
+    """Bytes of a generation's cache on a rank after a prompt of s tokens per rank: the keys and
+    values of its own tokens in every attention layer (``patches.cache``; Ulysses ranks keep all
+    heads of their tokens) and, for a hybrid, every recurrent layer's state and convolution tail
+    (the whole prompt's, the same on every rank; states in fp32)."""
+    kv = m.attention_layers * 2 * m.K * m.D * b * s * B
+    r = m.recurrent
+    if r is None:
+        return kv
+    state = 0 if r.kind == "conv" else r.heads * r.rows * r.cols * 4
+    return kv + r.layers * (state + r.channels * r.width * b) * B
+
+
 def _inference(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> dict[str, float]:
-    """One forward: one layer's activations at a time, the ring's buffers, the logits."""
+    """One forward (a generation's prefill): one layer's activations at a time, the ring's
+    buffers, the logits, and the KV cache it fills (all of it alive at the last layer)."""
     B = f.micro_batch
     h, k = m.H / U, max(m.K / U, 1)
     layer = layer_elements(m) * s * b * B
     ring = (2 * 2 * c * k * m.D * b + 2 * c * h * m.D * ACC) * B  # two K/V sets, the accumulator, a partial
     ulysses = 2 * s * (2 * m.H + 2 * max(m.K, U)) * m.D * b * B if U > 1 else 0.0
     logits = min(s, slab_tokens(m.V)) if f.chunked_loss else s
-    return dict(grads=0.0, activations=0.0, transient=max(logits * m.V * (b + 4) * B, layer + ring + ulysses))
+    return dict(grads=0.0, activations=0.0, transient=max(logits * m.V * (b + 4) * B, layer + ring + ulysses),
+                kv_cache=kv_cache(m, b, s, B))
 
 
 def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
@@ -165,7 +180,7 @@ def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, 
     st = states(m, f, b, G)
     peak = activations(m, f, b, G, s, c, U, ring, host)
     parts = dict(weights=st["weights"], optimizer=st["optimizer"], grads=peak["grads"],
-                 activations=peak["activations"], transient=peak["transient"])
+                 activations=peak["activations"], transient=peak["transient"], kv_cache=peak.get("kv_cache", 0.0))
     parts = {k: v / GB for k, v in parts.items()}
     parts["total"] = sum(parts.values())
     return parts

@@ -40,7 +40,8 @@ class ModeEstimate(_Fields):
     """Transfer time per step that compute does not hide."""
     memory_per_rank_gb: float
     memory_gb: dict
-    """Parts of memory_per_rank_gb: weights, grads, optimizer, activations, transient (GiB)."""
+    """Parts of memory_per_rank_gb: weights, grads, optimizer, activations, transient, kv_cache
+    (GiB; kv_cache: a generation's cache after the prompt, with ``training=False``)."""
     ring_crosses_nodes: bool
     attention_s: float
     """Attention's share of step_time_s (all layers, forward and backward)."""

@@ -77,6 +77,22 @@ def greedy(family, layout, S, new=8, ulysses=1):
     unpatched_tokens = S + new - 1
     _, unpatched_bytes = _held_plain(plain64.past_key_values)
     assert kv_bytes * unpatched_tokens == unpatched_bytes * held[0], where
+    cache = got32.past_key_values
+    if all(getattr(layer, "window", None) is None for layer in cache.layers):  # the planner's cache, measured
+        from ringseq.planner import model_spec
+        from ringseq.planner.memory import kv_cache
+
+        assert _all_bytes(cache) == kv_cache(model_spec(tiny_model(family).config), 4, held[0], B=2), where
+
+
+def _all_bytes(cache):
+    """Every tensor a cache holds: keys and values, recurrent and convolution states."""
+    total = 0
+    for layer in cache.layers:
+        tensors = [getattr(layer, "keys", None), getattr(layer, "values", None),
+                   *getattr(layer, "conv_states", {}).values(), *getattr(layer, "recurrent_states", {}).values()]
+        total += sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+    return total
 
 
 def _held_plain(cache):
