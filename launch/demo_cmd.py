@@ -85,6 +85,9 @@ def report(ring: dict) -> tuple[str, bool]:
               f"(largest relative difference {max(same):.1e}, limit {AGREE:g})",
               f"  retrieval accuracy after {n} steps: ring {acc:.0%}, attention cut at the middle {cut:.0%} "
               f"(chance {ring['chance']:.0%})",
+              f"  answers by model.generate on held-out prompts: ring {ring['generate_accuracy']['ring']:.0%} "
+              f"(the whole {ring['seq_len'] - 1}-token prompt, its cache split over {ring['ranks']} ranks), cut "
+              f"{ring['generate_accuracy']['cut']:.0%} (the half after the middle)",
               f"  peak memory per rank (RSS): {', '.join(f'{m:.0f} MB' for m in ring['peak_rss_mb'])}",
               f"  throughput: {ring['tokens_per_s']:,.0f} tok/s over both models"]
     return "\n".join(lines), agree

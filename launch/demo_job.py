@@ -10,9 +10,12 @@ Two models start from the same weights and see the same batches, both patched, b
 ring: ``ring`` attends over the whole sequence; ``cut`` treats the two halves as separate
 documents (position ids restart at S/2), so no token attends across the middle - what attention
 would be if the sequence were split without a ring. At every step rank 0 also evaluates an
-unpatched twin of ``ring`` on the same weights: the two losses must agree (exactness). Rank 0
-writes a JSON summary: losses, the twin's losses, retrieval accuracy over training for both
-models, peak memory per rank, throughput.
+unpatched twin of ``ring`` on the same weights: the two losses must agree (exactness). After
+training both models answer held-out questions with ``model.generate``: ``ring`` reads the whole
+prompt (prefilled through the ring, its cache sharded over the ranks), ``cut`` only the half
+after the middle, as its attention did in training. Rank 0 writes a JSON summary: losses, the
+twin's losses, retrieval accuracy over training for both models, the answers' accuracy by
+generate, peak memory per rank, throughput.
 """
 from __future__ import annotations
 
@@ -64,6 +67,17 @@ def accuracy(model, sp, batch: dict, position_ids=None) -> float:
     with torch.no_grad():
         logits = ringseq.gather(model(input_ids=batch["input_ids"], position_ids=position_ids).logits, 1, sp=sp)
     return (logits[:, -2].argmax(-1) == batch["labels"][:, -1]).float().mean().item()
+
+
+def generated_accuracy(model, batch: dict, cut: bool) -> float:
+    """The share of questions ``model.generate`` answers with the planted value (greedy, one new
+    token); ``cut``: the prompt starts at the middle, all the cut model's question ever sees."""
+    S = batch["input_ids"].size(1)
+    prompt = batch["input_ids"][:, S // 2 if cut else 0:-1]
+    with torch.no_grad():
+        answers = model.generate(input_ids=prompt, max_new_tokens=1, do_sample=False, pad_token_id=BLANK,
+                                 eos_token_id=None)[:, -1]
+    return (answers == batch["labels"][:, -1]).float().mean().item()
 
 
 def main(argv=None) -> None:
@@ -120,6 +134,8 @@ def main(argv=None) -> None:
                         acc=f"{log['accuracy']['ring'][-1]:.0%}" if log["eval_steps"] else "-",
                         waited_for=f"rank{log['stats'][-1]['slowest_rank']}" if log.get("stats") else "-")
     seconds = time.perf_counter() - start - twin_seconds
+    log["generate_accuracy"] = {name: generated_accuracy(model.eval(), evaluation, cut=name == "cut")
+                                for name, model in models.items()}
 
     peak = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
     everyone = [torch.zeros(1) for _ in range(dist.get_world_size())]

@@ -23,8 +23,8 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from transformers.cache_utils import (CacheLayerMixin, DummyLayer, DynamicCache, LinearAttentionCacheLayerMixin,
-                                     LinearAttentionLayer)
+from transformers import cache_utils
+from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from ringseq import recurrent
 from ringseq.errors import RingSeqError
@@ -93,6 +93,12 @@ class KVShard(CacheLayerMixin):
 
     def batch_select_indices(self, indices) -> None:
         raise RingSeqError("a sharded KV cache cannot select batch rows (contrastive search): use greedy or sampling")
+
+
+# transformers' layered caches of recurrent layers (5.23 has them; ``generate`` refuses releases without)
+LinearAttentionLayer = getattr(cache_utils, "LinearAttentionLayer", object)
+LinearAttentionCacheLayerMixin = getattr(cache_utils, "LinearAttentionCacheLayerMixin", ())
+DummyLayer = getattr(cache_utils, "DummyLayer", ())
 
 
 class KVShardAndState(KVShard, LinearAttentionLayer):

@@ -20,27 +20,11 @@ from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
 from . import checkpointing, logits as logit_maps, mixers, router_loss
+from .generation import cached_forward
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
 # description of the packed documents, which ringseq reads from position_ids instead.
 PACKING_METADATA = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
-
-
-def _final_softcap(config):
-    return getattr(config, "final_logit_softcapping", None)
-
-
-def _logits(model, hidden):
-    logits = model.get_output_embeddings()(hidden)
-    finish = logit_maps.finisher(model)
-    if finish is not None:
-        logits = finish(logits)
-    if logit_maps.upcasts(model):
-        logits = logits.float()
-    cap = _final_softcap(model.config)
-    if cap is not None:
-        logits = cap * torch.tanh(logits / cap)
-    return logits
 
 
 def _drop_packing_metadata(kwargs: dict, position_ids, recurrent: bool) -> None:
@@ -100,8 +84,6 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
     if past_key_values is not None or use_cache:
-        from .generation import cached_forward
-
         if fused_lm_head or logits_fn is not None:
             raise RingSeqError("fused_lm_head / logits_fn with a KV cache: generation computes plain logits")
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
@@ -137,9 +119,9 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     loss = logits = None
     if targets is not None and (handle.chunked_loss or logits_fn is not None):
         loss = chunked_cross_entropy(hidden, targets, self.get_output_embeddings(), sp=handle.sp, count=count,
-                                     final_softcap=_final_softcap(self.config), finish=logit_maps.finisher(self))
+                                     final_softcap=logit_maps.final_softcap(self.config), finish=logit_maps.finisher(self))
     elif logits_fn is None:
-        logits = _logits(self, hidden)
+        logits = logit_maps.head_logits(self, hidden)
         if targets is not None:
             loss = cross_entropy(logits, targets, sp=handle.sp, num_items_in_batch=count)
     if logits_fn is not None:
@@ -172,7 +154,7 @@ def _preprocessed(model, hidden, labels, fn, batch: ShardedBatch):
     parts = []
     with torch.no_grad():
         for a in range(0, s, step):
-            part = fn(_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
+            part = fn(logit_maps.head_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
             n = hidden[:, a:a + step].size(1)
             if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, n):
                 raise RingSeqError("preprocess_logits_for_metrics must work token by token under ringseq (it is "

@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from ringseq import lockstep
+from ringseq import lockstep, versions
 from ringseq.batch import check_same_batch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
-from . import mixers
+from . import logits as logit_maps, mixers
 from .cache import ShardedCache
 
 # generation settings ringseq cannot run exactly over a sharded cache, and what to do instead
@@ -113,6 +113,7 @@ def generate(self, *args, **kwargs):
     batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
     assisted decoding, other caches and continuing from a given cache are refused."""
     handle = self._ringseq_patch
+    versions.require_feature("generation", "generate on a patched model")
     if hasattr(self, "get_base_model"):
         raise RingSeqError("generate on a PEFT-wrapped patched model: PEFT generates through the inner model, "
                            "which is not patched; merge the adapter (merge_and_unload) and patch the merged model, "
@@ -168,16 +169,11 @@ def _last_hidden(hidden: torch.Tensor, batch) -> torch.Tensor:
     return mine
 
 
-def _logits(model, hidden):
-    from .forward import _logits as full_logits  # the head as the patched forward computes it
-
-    return full_logits(model, hidden)
-
-
 def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, logits_to_keep,
                    kwargs: dict):
     """A patched forward with a KV cache (``generate``'s calls): the prefill when the cache is
     empty, a decode step otherwise. Returns the logits generation reads and the cache."""
+    versions.require_feature("generation", "a patched model with a KV cache (use_cache / past_key_values)")
     if cache is None:
         cache = ShardedCache(model.config, handle.sp)
     if not isinstance(cache, ShardedCache):
@@ -197,7 +193,7 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
         hidden = _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
         keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
         hidden = hidden[:, -keep:]
-    return CausalLMOutputWithPast(logits=_logits(model, hidden), past_key_values=cache)
+    return CausalLMOutputWithPast(logits=logit_maps.head_logits(model, hidden), past_key_values=cache)
 
 
 def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):

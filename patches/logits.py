@@ -9,6 +9,8 @@ not know for its family is refused (``problems``), never ignored.
 """
 from __future__ import annotations
 
+import torch
+
 SCALINGS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 """Config fields that scale a head's output in some family."""
 GRANITE = ("granite", "granitemoe", "granitemoehybrid", "granitemoeshared")
@@ -39,3 +41,22 @@ def problems(model) -> list[str]:
     odd = [n for n in SCALINGS if n not in known and getattr(config, n, None) not in (None, 1, 1.0)]
     named = ", ".join(f"{n}={getattr(config, n)}" for n in odd)
     return [f"a logit scaling ringseq does not know for {kind} ({named}): its loss would miss it"] if odd else []
+
+
+def final_softcap(model_config):
+    return getattr(model_config, "final_logit_softcapping", None)
+
+
+def head_logits(model, hidden):
+    """The logits the unpatched model returns for ``hidden``: the head, the family's finish, its
+    upcast, the final softcap."""
+    logits = model.get_output_embeddings()(hidden)
+    finish = finisher(model)
+    if finish is not None:
+        logits = finish(logits)
+    if upcasts(model):
+        logits = logits.float()
+    cap = final_softcap(model.config)
+    if cap is not None:
+        logits = cap * torch.tanh(logits / cap)
+    return logits

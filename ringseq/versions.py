@@ -24,6 +24,11 @@ RANGES = {
 }
 """package -> (lowest supported release, first release not supported)."""
 
+FEATURES = {"generation": ("transformers", "5.23")}
+"""feature -> (package, lowest release it is tested on, within that package's range): generate
+on a patched model relies on transformers' layered caches (linear-attention layers, generation
+without cache_position), which earlier 5.x releases do not have."""
+
 EXTRAS = {"trl": ("trl", "peft")}
 """setup.cfg's extras and the packages they bring."""
 
@@ -42,6 +47,16 @@ def problem(package: str, version: str | None = None) -> str | None:
         return (f"{package} {version} is outside the range ringseq supports (>= {low}, < {high}): "
                 f"pip install '{package}>={low},<{high}'")
     return None
+
+
+def require_feature(feature: str, what: str) -> None:
+    """Refuse ``what`` when the installed package is older than the feature needs."""
+    package, low = FEATURES[feature]
+    require(package, what)
+    version = importlib.metadata.version(package)
+    if Version(version) < Version(low):
+        raise RingSeqError(f"{what} needs {package} >= {low} (found {version}): pip install '{package}>={low},"
+                           f"<{RANGES[package][1]}'")
 
 
 def require(package: str, what: str) -> None:

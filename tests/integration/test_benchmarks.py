@@ -107,3 +107,13 @@ def test_hybrid_benchmark(tmp_path):
     assert all(r["max_err"] < SANE and r["ms"] > 0 and r["step_mb"] > 0 for r in records), records
     assert 0 < records[1]["sent_mb"] < records[2]["sent_mb"], records
     assert (tmp_path / "hybrid.png").exists()
+
+
+def test_generation_benchmark(tmp_path):
+    # --longest (a doubling search of process trees) is left out here: the sharded cache's bytes are tested in
+    # test_generation, and the search is the same measure() at other lengths
+    records = bench("generation.py", "--N", "512", "--sizes", "2", "--reps", "1", "--new", "2", out=tmp_path)
+    assert [(r["kind"], r["P"]) for r in records] == [("unpatched", 1), ("ringseq", 2)]
+    assert records[1]["same_tokens"] and records[1]["kv_mb_per_rank"] * 2 == records[0]["kv_mb_per_rank"]
+    assert all(r["prefill_ms"] > 0 and r["decode_tok_s"] > 0 for r in records)
+    assert (tmp_path / "generation.png").exists()

@@ -23,7 +23,15 @@ def test_demo_runs_and_the_curves_agree(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert "ring loss = unpatched loss on the same weights, every step: yes" in run.stdout
     assert "attention cut at the middle" in run.stdout and "retrieval accuracy after 4 steps" in run.stdout
+    assert "answers by model.generate on held-out prompts: ring" in run.stdout
     assert (tmp_path / "demo.png").stat().st_size > 0
+
+
+def test_needle_example_answers_as_the_unpatched_model():
+    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/needle_generate.py", "--steps", "10",
+                      "--train-len", "128", "--lengths", "128", "300", "--depths", "0.2", "0.8", "--batch", "4")
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "every answer equals the unpatched model's" in run.stdout and "depth 0.8" in run.stdout
 
 
 # the deepspeed launcher runs its own examples in test_trainer.py and every ds_step launch above;

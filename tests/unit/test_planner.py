@@ -255,3 +255,17 @@ def test_mamba_and_short_convolution_hybrids_are_read_too():
     assert (lfm2.recurrent.kind, lfm2.recurrent.layers) == ("conv", 3)
     p = ringseq.plan(model=lfm2, seq_len=65_536, gpus=4, gpus_per_node=4)
     assert all(m.recurrent_s > 0 for m in p.modes)
+
+
+def test_a_prefill_holds_the_cache_it_fills():
+    """training=False: the prefill's memory includes the generation cache of the rank's tokens
+    (keys and values of every attention layer; the formula is checked against the cache generate
+    leaves in tests/integration/test_generation.py)."""
+    llama = dict(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126, num_attention_heads=128,
+                 num_key_value_heads=8, vocab_size=128256)
+    p = ringseq.plan(model=llama, seq_len=1 << 20, gpus=128, gpus_per_node=8, hardware="h100", training=False)
+    per_rank_tokens = (1 << 20) // 128
+    for mode in p.modes:
+        assert mode.memory_gb["kv_cache"] == pytest.approx(126 * 2 * 8 * 128 * 2 * per_rank_tokens / 2**30)
+    trained = ringseq.plan(model=llama, seq_len=1 << 20, gpus=128, gpus_per_node=8, hardware="h100")
+    assert all(mode.memory_gb["kv_cache"] == 0.0 for mode in trained.modes)
