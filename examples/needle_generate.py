@@ -67,7 +67,9 @@ def main() -> None:
         for depth in args.depths:
             rows = haystack(args.batch, S, depth, seed=10_000 + S)
             prompt = rows["input_ids"][:, :-1]
-            settings = dict(max_new_tokens=1, do_sample=False, pad_token_id=BLANK, eos_token_id=None)
+            # every token is real: without the mask transformers would take the blanks (the pad id) for padding
+            settings = dict(attention_mask=torch.ones_like(prompt), max_new_tokens=1, do_sample=False,
+                            pad_token_id=BLANK, eos_token_id=None)
             with torch.no_grad():
                 answers = model.generate(input_ids=prompt, **settings)[:, -1]
             every = [torch.empty_like(answers) for _ in range(sp.size)]

@@ -74,9 +74,9 @@ def generated_accuracy(model, batch: dict, cut: bool) -> float:
     token); ``cut``: the prompt starts at the middle, all the cut model's question ever sees."""
     S = batch["input_ids"].size(1)
     prompt = batch["input_ids"][:, S // 2 if cut else 0:-1]
-    with torch.no_grad():
-        answers = model.generate(input_ids=prompt, max_new_tokens=1, do_sample=False, pad_token_id=BLANK,
-                                 eos_token_id=None)[:, -1]
+    with torch.no_grad():  # the mask says every token is real (transformers would take BLANK = pad for padding)
+        answers = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=1,
+                                 do_sample=False, pad_token_id=BLANK, eos_token_id=None)[:, -1]
     return (answers == batch["labels"][:, -1]).float().mean().item()
 
 

@@ -119,7 +119,8 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     loss = logits = None
     if targets is not None and (handle.chunked_loss or logits_fn is not None):
         loss = chunked_cross_entropy(hidden, targets, self.get_output_embeddings(), sp=handle.sp, count=count,
-                                     final_softcap=logit_maps.final_softcap(self.config), finish=logit_maps.finisher(self))
+                                     final_softcap=logit_maps.final_softcap(self.config),
+                                     finish=logit_maps.finisher(self))
     elif logits_fn is None:
         logits = logit_maps.head_logits(self, hidden)
         if targets is not None:
@@ -154,7 +155,8 @@ def _preprocessed(model, hidden, labels, fn, batch: ShardedBatch):
     parts = []
     with torch.no_grad():
         for a in range(0, s, step):
-            part = fn(logit_maps.head_logits(model, hidden[:, a:a + step]), None if labels is None else labels[:, a:a + step])
+            part = fn(logit_maps.head_logits(model, hidden[:, a:a + step]),
+                      None if labels is None else labels[:, a:a + step])
             n = hidden[:, a:a + step].size(1)
             if not torch.is_tensor(part) or part.dim() < 2 or tuple(part.shape[:2]) != (B, n):
                 raise RingSeqError("preprocess_logits_for_metrics must work token by token under ringseq (it is "

@@ -6,8 +6,8 @@ What is patched, and why: the model's attention implementation becomes "ringseq"
 the full batch and runs the model's own decoder on this rank's shard, and its own ``generate``
 (``patches.generation``: the prompt prefilled through the ring, the KV cache kept sharded).
 ``unpatch`` deletes the instance attributes and restores the previous attention
-implementation, leaving the model exactly as it was. A patched model can be deep-copied (an EMA or a reference model): the copy
-is patched over the same sequence group.
+implementation, leaving the model exactly as it was. A patched model can be deep-copied (an
+EMA or a reference model): the copy is patched over the same sequence group.
 """
 from __future__ import annotations
 

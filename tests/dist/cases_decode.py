@@ -43,8 +43,8 @@ def decode_matches_dense(seed=0):
     old, decode.KEY_SLAB = decode.KEY_SLAB, 7
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            for window, softcap, sinks in ((None, None, None), (20, None, None), (None, 2.0, None), (None, None, sinks64),
-                                           (40, 3.0, sinks64)):
+            for window, softcap, sinks in ((None, None, None), (20, None, None), (None, 2.0, None),
+                                           (None, None, sinks64), (40, 3.0, sinks64)):
                 q, k, v = (t.to(dtype) for t in (q64, k64, v64))
                 sk = None if sinks is None else sinks.to(dtype)
                 scale = D ** -0.5
