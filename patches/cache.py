@@ -4,9 +4,10 @@ tokens only (shapes: ``ringseq.shapes``).
 ``ShardedCache`` is a transformers ``DynamicCache`` (so ``generate`` and the model's layers use
 it as they use their own) whose attention layers are ``KVShard``: the keys and values of this
 rank's share of the prompt (the ring prefilled them, in the layout's token order) and of the new
-tokens this rank was chosen to keep (every P-th decode step, so the shards stay balanced). The
-cache keeps, once for all layers, the global index of every key it holds and whether the key
-is padding: what decode attention masks with (``ringseq.attention.decode``).
+tokens this rank was chosen to keep (every P-th decode step, so the shards stay balanced). Each
+layer keeps the global index of every key it holds and whether the key is padding: what decode
+attention masks with (``ringseq.attention.decode``); a window layer drops the keys no later
+query can see.
 
 Indices are those of the prefilled sequence: the prompt goes in with ``offset`` layout-padding
 tokens in front of it (masked out, zero inputs: see ``patches.generation``), so the prompt's

@@ -81,6 +81,8 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     over the group's sharded cache instead (``patches.generation``): logits of the last token only
     in the prefill, of the new tokens (or the last ``logits_to_keep``) in a decode step."""
     handle = self._ringseq_patch
+    if past_key_values is None:  # transformers >= 5.24 names it ``cache``
+        past_key_values = kwargs.pop("cache", None)
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
     if past_key_values is not None or use_cache:

@@ -20,6 +20,7 @@ calls the patched forward with that cache, which lands in ``cached_forward``:
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -70,9 +71,10 @@ def check(model, kwargs: dict) -> None:
         if bad(value):
             raise RingSeqError(f"generate with {key}={value!r} under ringseq: {fix} (or ringseq.unpatch(model) to "
                                f"generate on one rank)")
-    if kwargs.get("past_key_values") is not None:
-        raise RingSeqError("generate with past_key_values under ringseq: the sharded cache is filled by the prompt; "
-                           "pass the whole sequence as the prompt")
+    for key in ("past_key_values", "cache"):  # transformers >= 5.24 names it ``cache``
+        if kwargs.get(key) is not None:
+            raise RingSeqError(f"generate with {key} under ringseq: the sharded cache is filled by the prompt; "
+                               f"pass the whole sequence as the prompt")
     for key in ("pixel_values", "pixel_values_videos", "input_features"):
         if kwargs.get(key) is not None:
             raise RingSeqError(f"generate with {key} under ringseq: generation is text-only for now")
@@ -127,9 +129,15 @@ def generate(self, *args, **kwargs):
         # always with the cache (a model configured with use_cache=False for training still generates the same
         # tokens; without a cache every step would prefill the whole sequence again)
         kwargs["use_cache"] = True
-        return type(self).generate(self, *args, past_key_values=cache, **kwargs)
+        kwargs[_cache_name(type(self).generate)] = cache
+        return type(self).generate(self, *args, **kwargs)
     finally:
         _set_rng_states(own, device)
+
+
+def _cache_name(fn) -> str:
+    """The name ``fn`` takes a cache by: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _full_prompt(input_ids, inputs_embeds, attention_mask, position_ids, pad: int) -> dict:
@@ -179,7 +187,7 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
     if not isinstance(cache, ShardedCache):
         raise RingSeqError(f"a patched model caches keys and values sharded over the group; got past_key_values of "
                            f"type {type(cache).__name__}: call model.generate (it brings ringseq's cache), or pass "
-                           f"past_key_values=ringseq's ShardedCache(model.config, sp)")
+                           f"past_key_values=ringseq.patches.cache.ShardedCache(model.config, sp)")
     if cache.sp is not handle.sp:
         raise RingSeqError("this cache was made for another sequence group than the model's")
     for key in ("labels", "shift_labels", "ringseq"):
@@ -208,9 +216,10 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
         kwargs["attention_mask"] = local["attention_mask"]
     try:
         with mixers.patched_forward():
-            out = model.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
-                                      position_ids=local["position_ids"], past_key_values=cache, use_cache=True,
-                                      ringseq=batch, **kwargs)
+            decoder = model.get_decoder()
+            kwargs[_cache_name(type(decoder).forward)] = cache
+            out = decoder(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                          position_ids=local["position_ids"], use_cache=True, ringseq=batch, **kwargs)
     except RingSeqError:
         raise
     except BaseException as exc:
@@ -233,6 +242,13 @@ def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
                            f"{cache.seen} and {n} come now")
     valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long)
     decode = cache.begin_step(n, valid)
-    return model.get_decoder()(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                               position_ids=position_ids, past_key_values=cache, use_cache=True, ringseq=decode,
-                               **kwargs).last_hidden_state
+    decoder = model.get_decoder()
+    kwargs[_cache_name(type(decoder).forward)] = cache
+    try:
+        return decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                       position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs).last_hidden_state
+    except RingSeqError:
+        raise
+    except BaseException as exc:  # peers waiting in a later layer's all-gather learn who failed
+        lockstep.mark_failed(sp, f"a decode step: {type(exc).__name__}: {exc}")
+        raise
