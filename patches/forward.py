@@ -69,7 +69,7 @@ def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, label
 
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
             shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
-            fused_lm_head=False, logits_fn=None, logits_to_keep=0, **kwargs):
+            fused_lm_head=False, logits_fn=None, logits_to_keep=0, cache=None, **kwargs):
     """Patched forward: the full batch in (on every rank of the sequence group), the global loss
     and this rank's logits out. A batch already sharded by ``ringseq.shard_batch`` (it carries
     ``ringseq``) is taken as it is; its ``labels`` are already shifted. ``fused_lm_head=True``
@@ -81,8 +81,8 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     over the group's sharded cache instead (``patches.generation``): logits of the last token only
     in the prefill, of the new tokens (or the last ``logits_to_keep``) in a decode step."""
     handle = self._ringseq_patch
-    if past_key_values is None:  # transformers >= 5.24 names it ``cache``
-        past_key_values = kwargs.pop("cache", None)
+    if past_key_values is None:  # transformers >= 5.24 names it ``cache`` (and validates generate's kwargs by it)
+        past_key_values = cache
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
     if past_key_values is not None or use_cache:
