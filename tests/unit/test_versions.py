@@ -44,3 +44,13 @@ def test_require_refuses_with_the_feature_named(monkeypatch):
     monkeypatch.setitem(versions.RANGES, "accelerate", ("0.1", "0.2"))
     with pytest.raises(RingSeqError, match=r"ringseq.prepare_accelerator needs a supported accelerate: accelerate "):
         versions.require("accelerate", "ringseq.prepare_accelerator")
+
+
+def test_a_feature_newer_than_the_range_start_is_refused_on_older_releases(monkeypatch):
+    """generate on a patched model needs transformers >= 5.23 (layered caches); 5.0-5.22 are in the range but
+    refused at the call, naming the release that works."""
+    monkeypatch.setattr(versions.importlib.metadata, "version", lambda package: "5.0.0")
+    with pytest.raises(RingSeqError, match=r"generate needs transformers >= 5.23 \(found 5.0.0\)"):
+        versions.require_feature("generation", "generate")
+    monkeypatch.setattr(versions.importlib.metadata, "version", lambda package: "5.23.0")
+    versions.require_feature("generation", "generate")
