@@ -25,7 +25,6 @@ import functools
 import sys
 import weakref
 
-
 from ringseq import recurrent
 from ringseq.errors import RingSeqError
 
