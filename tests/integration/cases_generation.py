@@ -75,7 +75,7 @@ def greedy(family, layout, S, new=8, ulysses=1):
     assert max(held) <= (S + pad) // world + math.ceil((new - 1) / world), where
     assert len(set(held)) == 1, where
     unpatched_tokens = S + new - 1
-    _, unpatched_bytes = _held_plain(plain64.past_key_values)
+    unpatched_bytes = _held_plain(plain64.past_key_values)
     assert kv_bytes * unpatched_tokens == unpatched_bytes * held[0], where
     cache = got32.past_key_values
     if all(getattr(layer, "window", None) is None for layer in cache.layers):  # the planner's cache, measured
@@ -95,12 +95,13 @@ def _all_bytes(cache):
     return total
 
 
-def _held_plain(cache):
+def _held_plain(cache) -> int:
+    """Bytes of the unpatched cache's attention layers without a window."""
     from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
     full = [layer for layer in cache.layers
             if isinstance(layer, DynamicLayer) and not isinstance(layer, DynamicSlidingWindowLayer)]
-    return None, sum((layer.keys.numel() + layer.values.numel()) * layer.keys.element_size() for layer in full)
+    return sum((layer.keys.numel() + layer.values.numel()) * layer.keys.element_size() for layer in full)
 
 
 def sampling(family, S, new=10):
