@@ -105,14 +105,15 @@ def _held_plain(cache) -> int:
 
 
 def sampling(family, S, new=10):
-    """Sampling: every rank returns the same tokens although each seeded its own generator
-    differently: those the unpatched model draws with group rank 0's seed; afterwards each rank's
-    random state is its own again."""
+    """Sampling (two samples per prompt): every rank returns the same tokens although each seeded
+    its own generator differently: those the unpatched model draws with group rank 0's seed;
+    afterwards each rank's random state is its own again."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     ids, mask = prompt(2, S)
     model = _generating(tiny_model(family, torch.float64))
-    kw = dict(max_new_tokens=new, do_sample=True, top_k=20, temperature=0.9, **SETTINGS)
+    # two samples per prompt: generate expands the rows before the prefill
+    kw = dict(max_new_tokens=new, do_sample=True, top_k=20, temperature=0.9, num_return_sequences=2, **SETTINGS)
     torch.manual_seed(100)
     plain = model.generate(input_ids=ids, attention_mask=mask, **kw).sequences
     ringseq.patch(model, sp=sp)
