@@ -19,8 +19,10 @@ calls the patched forward with that cache, which lands in ``cached_forward``:
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
+import types
 
 import torch
 import torch.distributed as dist
@@ -113,26 +115,50 @@ def generate(self, *args, **kwargs):
     prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
     with group rank 0's random state; each rank's own state is put back afterwards), left-padded
     batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
-    assisted decoding, other caches and continuing from a given cache are refused."""
+    assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
+    (LoRA and other adapters inside the layers) generates through its inner model, which borrows
+    the patched forward for the call."""
     handle = self._ringseq_patch
     versions.require_feature("generation", "generate on a patched model")
-    if hasattr(self, "get_base_model"):
-        raise RingSeqError("generate on a PEFT-wrapped patched model: PEFT generates through the inner model, "
-                           "which is not patched; merge the adapter (merge_and_unload) and patch the merged model, "
-                           "or ringseq.unpatch(model) to generate on one rank")
     check(self, kwargs)
+    target = self
+    if hasattr(self, "get_base_model"):
+        if getattr(getattr(self, "active_peft_config", None), "is_prompt_learning", False):
+            raise RingSeqError("generate on a PEFT prompt-learning model (prefix / prompt tuning) under ringseq: its "
+                               "virtual tokens are not sharded; ringseq.unpatch(model) to generate on one rank")
+        target = self.get_base_model()
     device = next(self.parameters()).device
     own = _rng_states(device)
-    _share_rng(handle.sp, device)
-    cache = ShardedCache(self.config, handle.sp)
+    with _borrowed(self, target, handle):
+        _share_rng(handle.sp, device)
+        cache = ShardedCache(target.config, handle.sp)
+        try:
+            # always with the cache (a model configured with use_cache=False for training still generates the same
+            # tokens; without a cache every step would prefill the whole sequence again)
+            kwargs["use_cache"] = True
+            kwargs[_cache_name(type(target).generate)] = cache
+            return type(target).generate(target, *args, **kwargs)
+        finally:
+            _set_rng_states(own, device)
+
+
+@contextlib.contextmanager
+def _borrowed(patched, target, handle):
+    """``target`` (a PEFT model's inner transformers model) runs ``patched``'s forward for the call."""
+    if target is patched or vars(target).get("_ringseq_patch") is not None:
+        yield
+        return
+    before = vars(target).get("forward")
+    target._ringseq_patch = handle
+    target.forward = types.MethodType(vars(patched)["forward"].__func__, target)
     try:
-        # always with the cache (a model configured with use_cache=False for training still generates the same
-        # tokens; without a cache every step would prefill the whole sequence again)
-        kwargs["use_cache"] = True
-        kwargs[_cache_name(type(self).generate)] = cache
-        return type(self).generate(self, *args, **kwargs)
+        yield
     finally:
-        _set_rng_states(own, device)
+        del target._ringseq_patch
+        if before is None:
+            del target.forward
+        else:
+            target.forward = before
 
 
 def _cache_name(fn) -> str:

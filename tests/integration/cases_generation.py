@@ -146,7 +146,7 @@ def train_after_generate(family, S_per_rank=16):
     ringseq.unpatch(model)
 
 
-REFUSED = {
+REFUSED = {  # generate keyword -> what the refusal names
     "num_beams": dict(num_beams=2),
     "cache_implementation": dict(cache_implementation="static"),
     "output_hidden_states": dict(output_hidden_states=True),
@@ -179,3 +179,24 @@ def refusals():
     ringseq.unpatch(model)
     assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=2, **SETTINGS).sequences)
     assert "generate" not in vars(model), "unpatch left the instance's generate behind"
+
+
+def peft_generate(order):
+    """LoRA adapters: generate on a PEFT model patched (its inner model borrows the patched forward
+    for the call) or on a PEFT wrapper of a patched model returns the unpatched PEFT model's tokens."""
+    from .cases_parity import _with_lora
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    ids, mask = prompt(2, 97)
+    plain = _with_lora(_generating(tiny_model("llama", torch.float64)))
+    want = plain.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **SETTINGS).sequences
+    if order == "patch_then_peft":
+        model = _with_lora(ringseq.patch(_generating(tiny_model("llama", torch.float64)), sp=sp))
+    else:
+        model = ringseq.patch(_with_lora(_generating(tiny_model("llama", torch.float64))), sp=sp)
+    got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, **SETTINGS).sequences
+    assert torch.equal(got, want), f"PEFT {order} rank {sp.rank}/{world}: {got[:, 97:]} != {want[:, 97:]}"
+    inner = model.get_base_model()
+    if order == "peft_then_patch":
+        assert "forward" not in vars(inner) and "_ringseq_patch" not in vars(inner), "the borrowed forward stayed"

@@ -31,3 +31,8 @@ def test_training_step_after_generate_is_exact(pool2, family):
 
 def test_what_cannot_be_generated_exactly_is_refused(pool2):
     pool2.run(cases.refusals)
+
+
+@pytest.mark.parametrize("order", ["patch_then_peft", "peft_then_patch"])
+def test_peft_models_generate_as_unpatched(pool2, order):
+    pool2.run(cases.peft_generate, order)
