@@ -143,3 +143,12 @@ def emit(record: dict, path: str | None) -> None:
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def save_figure(fig, axes, path: str) -> None:
+    """Grid and legend on every panel, then the PNG (the benchmarks' one look)."""
+    for ax in axes:
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)

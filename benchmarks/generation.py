@@ -138,11 +138,7 @@ def plot(records, path):
     axes[0].set(xlabel="ranks P", ylabel="prefill time / unpatched", title="prefill (generate 1 token)")
     axes[1].set(xlabel="ranks P", ylabel="decode tokens/s / unpatched", title="decode")
     axes[2].set(xlabel="ranks P", ylabel="KV bytes per rank / unpatched", title="cache per rank")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, axes, path)
 
 
 def main(argv=None):

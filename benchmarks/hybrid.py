@@ -186,11 +186,7 @@ def plot(records, path):
             axes[1].plot([r["P"] for r in rows], [r["sent_mb"] for r in rows], style, label=f"{kind}, N={N}")
     axes[0].set(xlabel="ranks P", ylabel="layer time / one process", title="gated DeltaNet layer, fwd+bwd")
     axes[1].set(xlabel="ranks P", ylabel="MB sent per rank per step", yscale="log", title="bytes moved")
-    for ax in axes:
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    common.save_figure(fig, axes, path)
 
 
 def main(argv=None):

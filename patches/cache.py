@@ -31,6 +31,10 @@ from ringseq import recurrent
 from ringseq.errors import RingSeqError
 
 
+CROP_REFUSED = ("a sharded KV cache cannot be cropped (assisted or speculative decoding rolls it back): "
+                "ringseq.unpatch(model) to decode that way")
+
+
 class KVShard(CacheLayerMixin):
     """One attention layer's keys and values of this rank's tokens [B, K, m, D], each key's
     global index ``positions`` [m] and ``valid`` [B, m] (False: padding). A sliding-window layer
@@ -82,8 +86,7 @@ class KVShard(CacheLayerMixin):
         return -1
 
     def crop(self, max_length: int) -> None:
-        raise RingSeqError("a sharded KV cache cannot be cropped (assisted or speculative decoding rolls it back): "
-                           "ringseq.unpatch(model) to decode that way")
+        raise RingSeqError(CROP_REFUSED)
 
     def reorder_cache(self, beam_idx) -> None:
         raise RingSeqError("a sharded KV cache cannot be reordered (beam search): use num_beams=1")
@@ -208,4 +211,4 @@ class ShardedCache(DynamicCache):
         return conv_states
 
     def crop(self, max_length: int) -> None:
-        KVShard.crop(None, max_length)
+        raise RingSeqError(CROP_REFUSED)
