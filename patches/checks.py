@@ -16,12 +16,14 @@ from ringseq import versions
 from ringseq.errors import RingSeqError
 from ringseq.planner.model_spec import ATTENTION_TYPES, RECURRENT_TYPES, layer_types as model_layer_types
 
-from . import logits as logit_maps
+from . import logits as logit_maps, vision
 from .mixers import MIXERS
 
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h",
                    "granitemoehybrid", "falcon_h1", "bamba", "zamba2", "lfm2", "lfm2_moe")
-TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES)
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava")
+TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES,
+                   *VLM_FAMILIES)
 OTHER_TYPES = {"moe", "mlp"}  # nemotron_h's blocks without a sequence mixer
 LAYER_TYPES = ATTENTION_TYPES | RECURRENT_TYPES | OTHER_TYPES
 # rope variants that size their frequencies from the largest position id the layer sees:
@@ -71,36 +73,42 @@ def problems(model) -> list[str]:
         found += [p for p in (versions.problem("peft"),) if p]
     if getattr(config, "is_encoder_decoder", False):
         found.append("encoder-decoder models (only decoder-only causal LMs are supported)")
-    if any(getattr(config, name, None) is not None for name in ("vision_config", "audio_config")):
-        found.append("multimodal models (patch the text model, e.g. Gemma3ForCausalLM)")
+    if getattr(config, "audio_config", None) is not None:
+        found.append("audio models (ringseq shards text and vision-language models)")
+    elif getattr(config, "vision_config", None) is not None and not vision.is_sharded_vlm(model):
+        found.append(f"{type(model).__name__} keeps its vision tower and language model in a way ringseq does not "
+                     f"know (it shards VLMs whose inner model calls its language_model on the merged embeddings: "
+                     f"{', '.join(VLM_FAMILIES)})")
     if model.get_output_embeddings() is None:
         found.append(f"{type(model).__name__} has no language-model head (use a *ForCausalLM class)")
     if not model._can_set_attn_implementation():
         found.append(f"{type(model).__name__} does not route attention through transformers' AttentionInterface")
-    layer_types = set(model_layer_types(config))
+    layer_types = set(model_layer_types(config.get_text_config()))
     if layer_types - LAYER_TYPES:
         found.append(f"layer types {sorted(layer_types - LAYER_TYPES)} (ringseq shards {sorted(LAYER_TYPES)})")
     elif layer_types & RECURRENT_TYPES and not any(type(m).__name__ in MIXERS for m in model.modules()):
         found.append(f"layer types {sorted(layer_types & RECURRENT_TYPES)} run in modules ringseq does not know: "
                      f"it shards the recurrent layers of {', '.join(sorted(set(MIXERS.values())))} "
                      f"({', '.join(HYBRID_FAMILIES)})")
-    mixers = sequence_mixers(model)
+    decoder = model.get_decoder()  # a VLM's vision tower attends bidirectionally and is never sharded
+    mixers = sequence_mixers(decoder)
     if mixers:
         found.append(f"sequence-mixing layers ringseq cannot shard ({', '.join(mixers)}): a state-space, "
                      f"convolution or recurrent layer it does not know would mix only this rank's tokens; ringseq "
                      f"shards {', '.join(sorted(MIXERS))}")
-    bidirectional = [name for name, m in model.named_modules() if getattr(m, "is_causal", True) is False]
-    if getattr(config, "use_bidirectional_attention", False) or getattr(config, "is_causal", True) is False:
+    bidirectional = [name for name, m in decoder.named_modules() if getattr(m, "is_causal", True) is False]
+    text = config.get_text_config()
+    if getattr(text, "use_bidirectional_attention", False) or getattr(text, "is_causal", True) is False:
         found.append("bidirectional attention (ringseq patches causal decoders)")
     elif bidirectional:
         found.append(f"bidirectional attention in {', '.join(bidirectional[:3])}"
                      f"{' ...' if len(bidirectional) > 3 else ''} (is_causal=False; ringseq patches causal decoders)")
-    chunk = getattr(config, "attention_chunk_size", None)
+    chunk = getattr(text, "attention_chunk_size", None)
     if chunk:
         found.append(f"chunked attention (attention_chunk_size={chunk}, Llama 4: a query sees only the keys of its "
                      f"own {chunk}-token chunk), which ringseq does not reproduce")
     found += logit_maps.problems(model)
-    local = _rope_types(config) & LOCAL_ROPE
+    local = _rope_types(text) & LOCAL_ROPE
     if local:
         found.append(f"rope scaling {sorted(local)} (it reads the largest local position id, which differs "
                      f"per rank; use a static rope scaling such as 'linear', 'yarn' or 'llama3')")

@@ -35,8 +35,12 @@ def isolates_documents(model) -> bool:
     use attn_implementation="ringseq")."""
     decoder = model.get_decoder()
     weight = model.get_input_embeddings().weight
-    embeds = torch.zeros(1, 4, model.config.hidden_size, dtype=weight.dtype, device=weight.device)
+    config = model.config.get_text_config()
+    embeds = torch.zeros(1, 4, config.hidden_size, dtype=weight.dtype, device=weight.device)
     position_ids = torch.tensor([[0, 1, 0, 1]], device=weight.device)
+    if "mrope_section" in (getattr(config, "rope_parameters", None) or {}):
+        # Qwen VL text models read packing from a leading row of text positions ([4, B, S]; ringseq.batch)
+        position_ids = position_ids[None].expand(4, 1, 4)
     token = _PROBING.set(True)
     try:
         with torch.no_grad():

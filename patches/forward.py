@@ -19,7 +19,7 @@ from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
-from . import checkpointing, logits as logit_maps, mixers, router_loss
+from . import checkpointing, logits as logit_maps, mixers, router_loss, vision
 from .generation import cached_forward
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
@@ -93,16 +93,26 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                               logits_to_keep, kwargs)
     _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
-    local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
-                          ringseq, counted=num_items_in_batch is not None)
     router = _router(self, handle, kwargs)
-    if handle.recurrent and local.get("attention_mask") is not None:
-        kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this rank's shard
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
         with mixers.patched_forward():
-            out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
-                                     position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
+            if handle.vision is not None:  # the multimodal part on the full batch, the language model sharded
+                if ringseq is not None:
+                    raise RingSeqError("a vision-language model takes the full batch (images and placeholder "
+                                       "tokens), not one from ringseq.shard_batch: call the patched model on it")
+                padding = None
+                out, batch = vision.run(self, handle, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                        attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                                        shift_labels=shift_labels, kwargs=kwargs)
+            else:
+                local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                                      shift_labels, ringseq, counted=num_items_in_batch is not None)
+                padding = local.get("attention_mask")
+                if handle.recurrent and padding is not None:
+                    kwargs["attention_mask"] = padding  # recurrent layers zero padding with this rank's shard
+                out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                                         position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
     except RingSeqError:
         raise  # ringseq's own failures have told the peers already
     except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)
@@ -112,7 +122,8 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     count = num_items_in_batch if num_items_in_batch is not None else batch.count
     aux = None
     if router is not None:  # the router loss of the whole batch, as the unpatched model computes it
-        aux = router_loss.aux_loss(out.router_logits, router, batch, local.get("attention_mask"))
+        aux = router_loss.aux_loss(out.router_logits, router, batch,
+                                   batch.attention_mask if padding is None else padding)
     if fused_lm_head:
         from .fused_head import fused_outputs
 

@@ -20,7 +20,7 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.topology import check_sp
 
-from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling
+from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling, vision
 from .documents import isolates_documents
 from .forward import forward as _forward
 from .generation import generate as _generate
@@ -53,6 +53,9 @@ class PatchHandle:
     """The MoE auxiliary loss the unpatched model adds (``patches.router_loss``), or None."""
     previous_generate: object = None
     """An instance-level generate that was there before, restored by ``unpatch``."""
+    vision: object = None
+    """A vision-language model's plan (``patches.vision.VisionPlan``: the text sub-config whose attention is
+    ringseq's, whether the images are shared among the ranks); None for a text model."""
 
     def __deepcopy__(self, memo):
         # the sequence group (process groups) is shared, never copied: a copied model trains on the same ranks
@@ -62,7 +65,8 @@ class PatchHandle:
         return twin
 
 
-def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True):
+def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True,
+          split_vision: bool = False):
     """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
 
     Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
@@ -83,6 +87,10 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     Raises ``RingSeqError`` listing every feature of the model that ringseq cannot
     reproduce. A forward set on the instance before (TRL's fused LM head) is replaced, since the
     patched forward answers ``fused_lm_head=True`` itself, and comes back with ``unpatch``.
+    A vision-language model (``*ForConditionalGeneration``: Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3,
+    LLaVA) runs its vision tower, the merge of image features and its (3-D) positions on the full
+    batch and its language model on the ring (``patches.vision``); ``split_vision=True`` has each
+    rank encode a share of the images, all-gathered before the merge.
     """
     check_sp(sp)
     tiling.check(tiled_mlp)
@@ -94,8 +102,10 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         raise RingSeqError("recurrent layers (linear attention, state-space, short convolutions) run a sequence in "
                            "order: the striped layout gives every rank every P-th token, so no rank holds a run of "
                            "them. Use layout='zigzag' (default) or 'contiguous'")
+    plan = vision.plan(model, split_vision)
     if handle is not None:
         handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
+        handle.vision = plan
         if tiled_mlp != handle.tiled_mlp:
             tiling.uninstall(model)
             if tiled_mlp is not None:
@@ -112,16 +122,16 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     base = _transformers_model(model)
     router = router_loss.plan(base)  # refuses a router loss it cannot split before anything changes
     register()
-    handle = PatchHandle(sp=sp, previous_attn_implementation=model.config._attn_implementation,
+    handle = PatchHandle(sp=sp, previous_attn_implementation=vision.text_config(model)._attn_implementation,
                          chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
                          previous_generate=vars(model).get("generate"),
                          keep_ring_outputs=bool(keep_ring_outputs), recurrent=mixers.has_recurrent_layers(model),
-                         router_loss=router)
-    model.set_attn_implementation(NAME)
+                         router_loss=router, vision=plan)
+    vision.set_attention(model, NAME)
     try:
         handle.documents_apart = isolates_documents(model)
     except BaseException:
-        model.set_attn_implementation(handle.previous_attn_implementation)
+        vision.set_attention(model, handle.previous_attn_implementation)
         raise
     model._ringseq_patch = handle
     model.forward = types.MethodType(_forward, model)
@@ -152,7 +162,7 @@ def unpatch(model):
     handle = getattr(model, "_ringseq_patch", None)
     if handle is None:
         return model
-    model.set_attn_implementation(handle.previous_attn_implementation)
+    vision.set_attention(model, handle.previous_attn_implementation)
     mixers.uninstall(handle)
     tiling.uninstall(model)
     checkpointing.unwrap(_transformers_model(model))

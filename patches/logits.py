@@ -44,7 +44,8 @@ def problems(model) -> list[str]:
 
 
 def final_softcap(model_config):
-    return getattr(model_config, "final_logit_softcapping", None)
+    """The final logit softcap of a model's language model (a VLM keeps it in its text config)."""
+    return getattr(model_config.get_text_config(), "final_logit_softcapping", None)
 
 
 def head_logits(model, hidden):

@@ -76,7 +76,7 @@ class ShardedBatch:
         doc = self.documents if documents_apart else None
         if doc is self.info.doc:
             return self
-        return dataclasses.replace(self, info=TokenInfo(doc=doc, valid=self.info.valid))
+        return dataclasses.replace(self, info=TokenInfo(doc=doc, valid=self.info.valid, block=self.info.block))
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:
@@ -101,21 +101,38 @@ def pad_to_layout(batch: dict, sp) -> tuple[dict, int]:
         if torch.is_tensor(t):
             out[key] = torch.cat([t, t.new_full((t.size(0), pad, *t.shape[2:]), value)], dim=1)
     if torch.is_tensor(batch.get("position_ids")):
-        pos = batch["position_ids"].reshape(-1, S)
-        out["position_ids"] = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+        given = batch["position_ids"]
+        pos = given.reshape(-1, S)
+        pos = torch.cat([pos, pos[:, -1:] + torch.arange(1, pad + 1, device=pos.device)], dim=1)
+        out["position_ids"] = pos.reshape(*given.shape[:-1], S + pad)
     return out, pad
 
 
-def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> TokenInfo:
-    """Documents and padding of a full batch, by transformers' rules: packed documents are read
-    from position_ids only when there is no attention_mask (as transformers does)."""
+def text_positions(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """The [B, S] positions transformers reads packed documents from. Multimodal rotary
+    positions (Qwen VL's mRoPE: [3, B, S] rows of temporal, height and width positions) mark
+    no documents, unless a fourth, leading row of text positions comes with them ([4, B, S]),
+    which Qwen's VL text models read packing from; None: no documents."""
+    if position_ids.dim() < 3:
+        return position_ids
+    return position_ids[0] if position_ids.size(0) == 4 else None
+
+
+def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                    blocks: torch.Tensor | None = None) -> TokenInfo:
+    """Documents, padding and bidirectional blocks of a full batch, by transformers' rules:
+    packed documents are read from position_ids only when there is no attention_mask (as
+    transformers does)."""
     doc = valid = None
+    text = text_positions(position_ids)
     if attention_mask is None:
-        doc = documents(position_ids.long())
-        doc = doc if bool(doc.any()) else None
+        doc = None if text is None else documents(text.long())
+        doc = doc if doc is not None and bool(doc.any()) else None
     elif not bool(attention_mask.bool().all()):
         valid = attention_mask.bool()
-    return TokenInfo(doc=doc, valid=valid)
+    if blocks is not None and not bool((blocks >= 0).any()):
+        blocks = None
+    return TokenInfo(doc=doc, valid=valid, block=None if blocks is None else blocks.int())
 
 
 def batch_record(batch: dict) -> dict[str, int]:
@@ -175,9 +192,10 @@ def check_batch(batch: dict) -> None:
                                "additive mask of 0/-inf, or document ids?): pass (mask == 0).long() for an additive "
                                "mask, and packed documents as position_ids")
     pos = batch.get("position_ids")
-    if torch.is_tensor(pos) and (pos.numel() not in (S, B * S) or pos.is_floating_point()):
-        raise RingSeqError(f"position_ids must be integers of shape [{B}, {S}] or [{S}]; got {pos.dtype} "
-                           f"{tuple(pos.shape)}")
+    rows = torch.is_tensor(pos) and pos.dim() == 3 and pos.size(1) in (1, B) and pos.size(2) == S
+    if torch.is_tensor(pos) and ((pos.numel() not in (S, B * S) and not rows) or pos.is_floating_point()):
+        raise RingSeqError(f"position_ids must be integers of shape [{B}, {S}] or [{S}] (or multimodal rotary rows "
+                           f"[R, {B}, {S}]); got {pos.dtype} {tuple(pos.shape)}")
 
 
 def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
@@ -202,8 +220,9 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     return local
 
 
-def sharded(batch, *, sp, documents_apart: bool = True) -> tuple[dict, ShardedBatch]:
-    """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``)."""
+def sharded(batch, *, sp, documents_apart: bool = True, blocks=None) -> tuple[dict, ShardedBatch]:
+    """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``). ``blocks``: [B, S]
+    bidirectional block ids of the full batch (-1: none; ``ringseq.attention.masks``)."""
     check_sp(sp)
     if not isinstance(batch, Mapping):
         raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
@@ -220,15 +239,18 @@ def sharded(batch, *, sp, documents_apart: bool = True) -> tuple[dict, ShardedBa
     batch = {k: v for k, v in batch.items() if v is not None}
     if batch.get("position_ids") is None:
         batch["position_ids"] = torch.arange(S, device=tokens.device)
-    batch["position_ids"] = batch["position_ids"].reshape(-1, S).expand(B, S)
+    pos = batch["position_ids"]
+    batch["position_ids"] = pos.expand(-1, B, S) if pos.dim() == 3 else pos.reshape(-1, S).expand(B, S)
     raw = batch.get("labels")
     if "shift_labels" not in batch and raw is not None:  # shift on the full, unpadded sequence
         batch["shift_labels"] = shift(batch.pop("labels"))
     batch.pop("labels", None)
     targets = batch.get("shift_labels")
     batch, pad = pad_to_layout(batch, sp)
-    info = full_token_info(batch["position_ids"], batch.get("attention_mask"))
-    local = {"position_ids": shard(batch["position_ids"], 1, sp=sp)}
+    if blocks is not None:
+        blocks = torch.nn.functional.pad(blocks.reshape(-1, S).expand(B, S), (0, pad), value=-1)
+    info = full_token_info(batch["position_ids"], batch.get("attention_mask"), blocks)
+    local = {"position_ids": shard(batch["position_ids"], -1, sp=sp)}
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         if key in batch:
             local[key] = shard(batch[key], 1, sp=sp)

@@ -3,7 +3,8 @@
 Dense attention on the whole sequence, written from the definitions alone (not from ringseq's
 mask or ring code): query i sees key j when j <= i (causal), 0 <= i - j < window, both are in
 the same packed document (a document starts where ``position_ids[i] != position_ids[i-1] + 1``)
-and j is not padding; scores are scaled, soft-capped (``c * tanh(s / c)``), and sinks join every
+and j is not padding; a bidirectional block (``blocks``: ids per token, -1 for none) lets a query
+see every key of its own block, later ones too; scores are scaled, soft-capped (``c * tanh(s / c)``), and sinks join every
 softmax denominator. Run it in float64 for the reference, or in a lower dtype for "the plain
 computation" the 2x rule compares against (``ringseq.tolerance``); ``sdpa=True`` hands the
 dense mask to ``scaled_dot_product_attention`` as an unpatched model's sdpa path does.
@@ -14,7 +15,7 @@ import torch
 
 
 def visibility(S: int, *, causal: bool, window=None, position_ids=None, attention_mask=None, query_positions=None,
-               device=None) -> torch.Tensor:
+               device=None, blocks=None) -> torch.Tensor:
     """bool [B or 1, n, S]: True where query row (global index ``query_positions``, default
     0..S-1) sees key j."""
     i = (torch.arange(S, device=device) if query_positions is None else query_positions.to(device))[:, None]
@@ -22,6 +23,9 @@ def visibility(S: int, *, causal: bool, window=None, position_ids=None, attentio
     vis = torch.ones(1, i.size(0), S, dtype=torch.bool, device=device)
     if causal:
         vis = vis & (j <= i)
+        if blocks is not None:
+            own = blocks.to(device)[:, i[:, 0], None]
+            vis = vis | ((own == blocks.to(device)[:, None, :]) & (own >= 0))
     if window is not None:
         vis = vis & ((i - j) < window)
     if position_ids is not None:
@@ -36,7 +40,7 @@ def visibility(S: int, *, causal: bool, window=None, position_ids=None, attentio
 
 
 def attention(q, k, v, dout=None, *, causal: bool = True, scale=None, window=None, softcap=None, sinks=None,
-              position_ids=None, attention_mask=None, query_positions=None, sdpa: bool = False):
+              position_ids=None, attention_mask=None, query_positions=None, sdpa: bool = False, blocks=None):
     """Attention of q [B, H, n, D] over k [B, K, S, D] and v [B, K, S, Dv] (H % K == 0) in the
     inputs' dtype. ``query_positions`` [n]: the global indices of q's rows (default: all S).
     Returns out [B, H, n, Dv]; with ``dout``, (out, dq, dk, dv, dsinks) from its backward.
@@ -52,7 +56,7 @@ def attention(q, k, v, dout=None, *, causal: bool = True, scale=None, window=Non
     S, G = k.size(2), H // k.size(1)
     scale = D ** -0.5 if scale is None else scale
     vis = visibility(S, causal=causal, window=window, position_ids=position_ids, attention_mask=attention_mask,
-                     query_positions=query_positions, device=q.device).expand(B, n, S)
+                     query_positions=query_positions, device=q.device, blocks=blocks).expand(B, n, S)
     with torch.set_grad_enabled(grad):
         if sdpa and softcap is None:
             out = _sdpa(q, k, v, vis, scale, sinks, G)
@@ -65,7 +69,7 @@ def attention(q, k, v, dout=None, *, causal: bool = True, scale=None, window=Non
     if sdpa and softcap is None and sinks is not None:
         dsinks = attention(q, k, v, dout, causal=causal, scale=scale, window=window, sinks=sinks,
                            position_ids=position_ids, attention_mask=attention_mask,
-                           query_positions=query_positions)[4]
+                           query_positions=query_positions, blocks=blocks)[4]
     return out.detach(), q.grad, k.grad, v.grad, dsinks
 
 

@@ -18,15 +18,17 @@ from .ring import CallNumbers, RingAttention, RingOptions
 from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
 
 
-def token_info(sp, position_ids: torch.Tensor | None = None,
-               attention_mask: torch.Tensor | None = None) -> TokenInfo:
+def token_info(sp, position_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+               blocks: torch.Tensor | None = None) -> TokenInfo:
     """Documents and padding of the whole sequence, from this rank's shards.
 
     ``position_ids`` [B, s] (or [s]): this rank's shard of the global position ids; a new
     document starts wherever ``position_ids[i] != position_ids[i-1] + 1``. ``attention_mask``
     [B, s]: this rank's shard of the 2-D padding mask (1 = real token). Both are all-gathered
     once (S integers per sample); build this once per forward and pass it to every layer as
-    ``ring_attention(..., token_info=...)``.
+    ``ring_attention(..., token_info=...)``. ``blocks`` [B, s]: this rank's shard of bidirectional
+    block ids (-1: none; each block one run of tokens, e.g. an image's tokens under Gemma 3): under
+    causal attention a token also sees the later tokens of its own block.
     """
     doc = valid = None
     if position_ids is not None:
@@ -43,7 +45,12 @@ def token_info(sp, position_ids: torch.Tensor | None = None,
         valid = gather(attention_mask.reshape(-1, attention_mask.size(-1)).long(), -1, sp=sp).bool()
         if bool(valid.all()):
             valid = None
-    return TokenInfo(doc=doc, valid=valid)
+    block = None
+    if blocks is not None:
+        block = gather(blocks.reshape(-1, blocks.size(-1)).long(), -1, sp=sp).int()
+        if not bool((block >= 0).any()):
+            block = None
+    return TokenInfo(doc=doc, valid=valid, block=block)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, causal: bool = True,

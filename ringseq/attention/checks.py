@@ -54,7 +54,7 @@ def check_features(q, causal, scale, window, softcap, sinks) -> None:
 
 
 def check_token_info(info: TokenInfo, B: int, S: int) -> None:
-    for name in ("doc", "valid"):
+    for name in ("doc", "valid", "block"):
         value = getattr(info, name)
         if value is not None and (value.dim() != 2 or value.size(1) != S or value.size(0) not in (1, B)):
             raise RingSeqError(f"token_info.{name} has shape {tuple(value.shape)} but the sequence group holds "
@@ -109,7 +109,7 @@ def token_checksum(info) -> int:
         return -3
     if "checksum" not in info._cache:
         total = 0
-        for t in (info.doc, info.valid):
+        for t in (info.doc, info.valid, info.block):
             if t is None:
                 total = (total * 31 + 7) % 2**61
                 continue

@@ -1,4 +1,4 @@
-"""Masks inside the ring: packed documents, padding and sliding windows (``ringseq.shapes``).
+"""Masks inside the ring: packed documents, padding, sliding windows and bidirectional blocks (``ringseq.shapes``).
 
 Which key a query may see depends on a few integers per token, so every rank keeps them for
 the *whole* sequence (``TokenInfo``: S ints per sample, all-gathered once per forward, not per
@@ -9,7 +9,10 @@ builds the visibility of a slab of rows at a time (never S x S) by slicing.
 Visibility of query i by key j (global token indices) is the conjunction of
 ``j <= i`` (causal), ``0 <= i - j < window`` (transformers' sliding window),
 ``doc[i] == doc[j]`` (a document starts where ``position_ids[i] != position_ids[i-1] + 1``,
-transformers' rule) and ``valid[j]`` (padding keys never contribute).
+transformers' rule) and ``valid[j]`` (padding keys never contribute). Bidirectional blocks (Gemma
+3's image tokens, ``block[i] == block[j] >= 0``) widen the causal term: a token sees every token of
+its own block, later ones too (``(j <= i or same block) and window and document and valid``, as
+transformers composes them).
 """
 from __future__ import annotations
 
@@ -26,18 +29,39 @@ class TokenInfo:
     """[B, S] integer document id by global index, non-decreasing; None: one document (CPU)."""
     valid: torch.Tensor | None = None
     """[B, S] bool, False for padding tokens; None: no padding (CPU)."""
+    block: torch.Tensor | None = None
+    """[B, S] int32 id of the bidirectional block of each token (-1: none; a block is one run of
+    tokens); None: no blocks (CPU)."""
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
     """Schedules and prefix tables derived from this batch (``rank_schedule``, ``valid_count``)."""
 
     def __post_init__(self):  # planning reads these integers: keep them on the CPU
-        for name in ("doc", "valid"):
+        for name in ("doc", "valid", "block"):
             value = getattr(self, name)
             if value is not None and value.device.type != "cpu":
                 object.__setattr__(self, name, value.cpu())
 
     @property
     def trivial(self) -> bool:
-        return self.doc is None and self.valid is None
+        return self.doc is None and self.valid is None and self.block is None
+
+    def reach(self, index: torch.Tensor) -> torch.Tensor:
+        """[B, n] one past the last key that token ``index`` [n] sees causally or through its
+        block (non-decreasing along a row)."""
+        if "reach" not in self._cache:
+            B, S = self.block.shape
+            here = torch.arange(1, S + 1).expand(B, S)
+            starts = torch.ones(B, S, dtype=torch.bool)
+            starts[:, 1:] = self.block[:, 1:] != self.block[:, :-1]
+            run = starts.long().cumsum(1) - 1  # [B, S] run of equal block ids
+            end = torch.zeros(B, S, dtype=torch.long).scatter_reduce(1, run, here, "amax")
+            self._cache["reach"] = torch.where(self.block >= 0, end.gather(1, run), here)
+        return self._cache["reach"][:, index]
+
+    def same_block(self, qi: slice, ki: slice) -> torch.Tensor:
+        """[B, n, m] bool: query ``qi`` and key ``ki`` (slices of global indices) share a block."""
+        bq, bk = self.block[:, qi, None], self.block[:, None, ki]
+        return (bq == bk) & (bq >= 0)
 
     def doc_start(self, index: torch.Tensor) -> torch.Tensor:
         """[B, n] global index of the first token of the document of each token ``index`` [n]
@@ -95,6 +119,8 @@ class RowMask:
         """The smallest column range [lo, hi) that query rows a..b may see."""
         first, last = self.q.at(a), self.q.at(b - 1)
         lo_pos, hi_pos = None, last if self.causal else None
+        if self.causal and self.info.block is not None:
+            hi_pos = int(self.info.reach(torch.tensor([last])).max()) - 1
         if self.window is not None:
             lo_pos = first - self.window + 1
         if self.info.doc is not None:
@@ -111,9 +137,11 @@ class RowMask:
         hi = self.k.n if hi is None else hi
         qi, kp = self.q.positions(a, b)[:, None], self.k.positions(lo, hi)[None, :]
         vis = kp <= qi if self.causal else torch.ones(b - a, hi - lo, dtype=torch.bool)
+        if self.causal and self.info.block is not None:
+            vis = vis | self.info.same_block(self.q.slice(a, b), self.k.slice(lo, hi))
         if self.window is not None:
             vis = vis & (qi - kp < self.window)
-        vis = vis.unsqueeze(0).expand(self.B, -1, -1)
+        vis = vis.expand(self.B, -1, -1) if vis.dim() == 3 else vis.unsqueeze(0).expand(self.B, -1, -1)
         if self.info.doc is not None:
             doc = self.info.doc
             vis = vis & (doc[:, self.q.slice(a, b), None] == doc[:, None, self.k.slice(lo, hi)])

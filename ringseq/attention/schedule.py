@@ -14,7 +14,10 @@ arithmetic run of global indices (``Span``), whose status - hidden (skipped), fu
 never decrease along a run and the valid keys of a run are a difference of prefix sums. The
 number of ring steps every rank runs, ``steps_needed``, follows from the farthest key each
 query run can see, for all ranks at once in a few vectorised operations. Planning costs
-O(P) per rank, not O(P^2) or O(S) per call.
+O(P) per rank, not O(P^2) or O(S) per call. Bidirectional blocks (``TokenInfo.block``) make a
+causal schedule plan every (query run, key run) pair: a pair whose keys all come after its
+queries is hidden unless one block spans the gap between them, and the causal part of every
+call goes into its mask.
 """
 from __future__ import annotations
 
@@ -197,7 +200,7 @@ def _key_bounds(first: torch.Tensor, end: torch.Tensor, S: int, causal: bool, in
     if info.doc is not None:
         lo = torch.maximum(lo, info.doc_start(first).min(0).values)
     if causal:
-        hi = end
+        hi = end if info.block is None else torch.maximum(end, info.reach(end - 1).max(0).values)
     elif info.doc is not None:
         hi = info.doc_end(end - 1).max(0).values
     else:
@@ -213,24 +216,32 @@ def _striped_steps(S: int, P: int, causal: bool, info: TokenInfo, window) -> int
     reach = S
     if info.doc is not None:
         reach = info.longest_document()
-    if not causal:
+    if not causal or info.block is not None:  # a block reaches ahead: a key one place on is P - 1 steps back
         return P if reach > 1 else 1
     if window is not None:
         reach = min(reach, window)
     return min(P, reach)
 
 
-def _status(calls, info: TokenInfo, window: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _status(calls, info: TokenInfo, window: int | None, causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """For planned (q span, k span) pairs: (hidden [n], masked [n]) bool. Exact for a run pair
     (the run's end points decide, documents being non-decreasing) except that a pair whose
     visible part is empty only through the combination of window, documents and padding of
-    different samples may be called masked rather than hidden: its mask then hides everything."""
+    different samples may be called masked rather than hidden: its mask then hides everything.
+    ``causal``: the calls are unmasked by causality (the bidirectional-block plan), so the
+    causal term is decided here: keys all after the queries are hidden unless one block holds
+    the last query and the first key (a block is a run: it then spans the gap, and conversely)."""
     qa = torch.tensor([q.start for _, q, _ in calls])
     qz = torch.tensor([q.at(q.n - 1) for _, q, _ in calls])
     ka = torch.tensor([k.start for _, _, k in calls])
     kz = torch.tensor([k.at(k.n - 1) for _, _, k in calls])
     hidden = torch.zeros(len(calls), dtype=torch.bool)[None]
     full = torch.ones(len(calls), dtype=torch.bool)[None]
+    if causal:
+        b = info.block
+        bridged = (b[:, qz] == b[:, ka]) & (b[:, qz] >= 0)  # [B, n]
+        hidden = hidden | ((ka > qz)[None] & ~bridged)
+        full = full & (kz <= qa)[None]
     if window is not None:
         hidden = hidden | (qa - kz >= window)[None]
         full = full & (qz - ka < window)[None]
@@ -262,14 +273,16 @@ def rank_schedule(layout: str, S: int, P: int, r: int, causal: bool, info: Token
                       for t in range(T))
     else:
         mine = runs(layout, S, P, r)
+        blocks = causal and info.block is not None  # every run pair planned, causality in the masks
         cand = []
         for t in range(T):
             j = (r - t) % P
             theirs = runs(layout, S, P, j)
-            cand += [(t, c, _span(mine, c.q_rows), _span(theirs, c.k_rows)) for c in run_calls(layout, s, P, r, j, causal)]
+            cand += [(t, c, _span(mine, c.q_rows), _span(theirs, c.k_rows))
+                     for c in run_calls(layout, s, P, r, j, causal and not blocks)]
         per_step = [[] for _ in range(T)]
         if cand:
-            hidden, masked = _status([(c, q, k) for _, c, q, k in cand], info, window)
+            hidden, masked = _status([(c, q, k) for _, c, q, k in cand], info, window, blocks)
             for (t, c, q, k), h, m in zip(cand, hidden.tolist(), masked.tolist()):
                 if not h:
                     per_step[t].append(PlannedCall(c, m, q, k) if m else PlannedCall(c, False))

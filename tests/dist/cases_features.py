@@ -40,8 +40,28 @@ def padding_mask(B, S, seed):
     return mask
 
 
+def image_blocks(B, S, seed):
+    """[B, S] bidirectional block ids (-1: none): runs of 2..S/4 tokens at random places, one of
+    them across the middle of the row (a chunk edge of every layout at world 2)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.full((B, S), -1, dtype=torch.long)
+    for b in range(B):
+        at, n = S // 2 - 3, 0
+        blocks[b, at:at + 6] = n
+        at = 0
+        while at < S:
+            at += int(torch.randint(1, max(2, S // 4), (1,), generator=g))
+            size = int(torch.randint(2, max(3, S // 4), (1,), generator=g))
+            if at + size < S and bool((blocks[b, max(0, at - 1):at + size + 1] < 0).all()):
+                n += 1
+                blocks[b, at:at + size] = n
+            at += size
+    return blocks
+
+
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
-                   sinks=False, slab_rows=None, autocast=False, kernel=None, backward=True, **features):
+                   sinks=False, slab_rows=None, autocast=False, kernel=None, backward=True, blocks=False,
+                   **features):
     """ringseq against ``reference`` in float64 and plainly in ``dtype``. ``autocast``: q and k
     in fp32 (as a rotary embedding leaves them), v and dout in ``dtype``, both ringseq and the
     plain SDPA run under ``torch.autocast(dtype=dtype)``. ``backward=False``: the output only,
@@ -52,24 +72,25 @@ def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, pac
     sink = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
     pos = packed_positions(B, S, seed) if packed else None
     pad = padding_mask(B, S, seed) if padded else None
+    blk = image_blocks(B, S, seed) if blocks else None
     kw = dict(causal=True, **features)
-    ref = reference(q, k, v, dout, sinks=sink, position_ids=pos, attention_mask=pad, **kw)
+    ref = reference(q, k, v, dout, sinks=sink, position_ids=pos, attention_mask=pad, blocks=blk, **kw)
     dtypes = (torch.float32, torch.float32, dtype, dtype) if autocast else (dtype,) * 4
     inputs = [t.to(d) for t, d in zip((q, k, v, dout), dtypes)]
     mixed = torch.autocast("cpu", dtype=dtype) if autocast else contextlib.nullcontext()
     with mixed:
         plain = reference(*inputs, sinks=None if sink is None else sink.to(dtype), position_ids=pos,
-                          attention_mask=pad, sdpa=True, **kw)
+                          attention_mask=pad, sdpa=True, blocks=blk, **kw)
     local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in inputs[:3]]
     sink_in = None if sink is None else sink.to(dtype).requires_grad_(True)
+    masks = {"position_ids": None if pos is None else ringseq.shard(pos, 1, sp=sp),
+             "attention_mask": None if pad is None else ringseq.shard(pad, 1, sp=sp)}
+    if blk is not None:  # blocks come only in a TokenInfo
+        masks = {"token_info": ringseq.token_info(sp, **masks, blocks=ringseq.shard(blk, 1, sp=sp))}
     with mixed, torch.set_grad_enabled(backward):
-        out = ringseq.ring_attention(
-            *local, sp=sp, sinks=sink_in,
-            position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
-            attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp), slab_rows=slab_rows,
-            kernel=kernel, **kw)
+        out = ringseq.ring_attention(*local, sp=sp, sinks=sink_in, slab_rows=slab_rows, kernel=kernel, **masks, **kw)
     case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} autocast={autocast} H{H} K{K} "
-            f"packed={packed} padded={padded} sinks={sinks} slab {slab_rows} {kernel} {features}")
+            f"packed={packed} padded={padded} sinks={sinks} blocks={blocks} slab {slab_rows} {kernel} {features}")
     if not backward:
         assert not out.requires_grad
         assert_shards_close(out, plain[0], ref[0], f"out [{case}]", sp=sp)
@@ -111,8 +132,20 @@ def feature_matrix(layout, dtype_name, ulysses_size=1):
         check_features(sp, dtype=DTYPES[dtype_name], seed=n, slab_rows=5 if n % 2 else None, **features)
 
 
+BLOCK_FEATURES = [dict(blocks=True), dict(blocks=True, window=5, padded=True),
+                  dict(blocks=True, packed=True, sinks=True, softcap=2.0)]
+
+
+def block_matrix(layout, ulysses_size=1):
+    """Bidirectional blocks (Gemma 3's image tokens) inside causal attention: blocks across chunk
+    edges, with windows, padding, documents, sinks and softcap; fp32 and bf16 alternate."""
+    sp = shared_init(sp_size=dist.get_world_size(), ulysses_size=ulysses_size, layout=layout)
+    for n, features in enumerate(BLOCK_FEATURES):
+        check_features(sp, dtype=list(DTYPES.values())[n % 2], seed=n, slab_rows=5 if n % 2 else None, **features)
+
+
 FLEX_FEATURES = [dict(packed=True), dict(window=5, softcap=2.0), dict(sinks=True, K=1, padded=True),
-                 dict(packed=True, padded=True, window=7, softcap=3.0)]
+                 dict(blocks=True, window=6, padded=True)]
 
 
 def flex_forward_matrix(layouts):

@@ -1,4 +1,4 @@
-"""Documents, padding, windows, softcap, sinks and Ulysses against a float64 dense reference."""
+"""Documents, padding, windows, softcap, sinks, bidirectional blocks and Ulysses against a float64 dense reference."""
 import pytest
 
 from ringseq import LAYOUTS
@@ -27,6 +27,15 @@ def test_features_under_hybrid(pool4, layout):
 def test_ulysses_and_hybrid_heads(pool2, pool4, layout):
     pool2.run(cases.ulysses_heads, layout)  # Ulysses 2
     pool4.run(cases.ulysses_heads, layout)  # hybrid 2 x 2 and Ulysses 4
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bidirectional_blocks_match_reference(pool, layout):
+    pool.run(cases.block_matrix, layout)
+
+
+def test_bidirectional_blocks_under_hybrid(pool4):
+    pool4.run(cases.block_matrix, "zigzag", ulysses_size=2)
 
 
 def test_unsupported_features_are_refused(pool):

@@ -49,6 +49,8 @@ def _tables(mask, B: int, device):
         tables["qdoc"], tables["kdoc"] = info.doc[:, q.slice()], info.doc[:, k.slice()]
     if info.valid is not None:
         tables["kvalid"] = info.valid[:, k.slice()]
+    if info.block is not None and mask.causal:
+        tables["qblock"], tables["kblock"] = info.block[:, q.slice()], info.block[:, k.slice()]
     return {name: _to_device(t.contiguous(), device) for name, t in tables.items()}
 
 
@@ -62,10 +64,14 @@ def mask_mod(spec: BlockSpec, tables: dict | None, window: int | None):
     causal = spec.mask.causal
     nd = t["qdoc"].size(0) if "qdoc" in t else 1
     nv = t["kvalid"].size(0) if "kvalid" in t else 1
+    nb = t["qblock"].size(0) if "qblock" in t else 1
 
     def visible(b, h, qi, ki):
         i, j = t["qpos"][qi], t["kpos"][ki]
         ok = j <= i if causal else j >= 0
+        if "qblock" in t:  # bidirectional blocks widen the causal term
+            qb = t["qblock"][b if nb > 1 else 0, qi]
+            ok = ok | ((qb == t["kblock"][b if nb > 1 else 0, ki]) & (qb >= 0))
         if window is not None:
             ok = ok & (i - j < window)
         if "qdoc" in t:

@@ -101,7 +101,10 @@ def _valid_run(valid: torch.Tensor | None, c0: int, c1: int) -> tuple[int, int] 
 
 
 def runs(q, k, info, window: int | None, causal: bool, B: int) -> Runs | None:
-    """The varlen runs of the call with global spans ``q``/``k`` (see the module docstring)."""
+    """The varlen runs of the call with global spans ``q``/``k`` (see the module docstring);
+    None for bidirectional blocks (a block's queries see keys after them: not a band)."""
+    if info.block is not None and causal:
+        return None
     A, Bd = band(q, k, causal, window)
     n, m = q.n, k.n
     left, right = _Bound(), _Bound()

@@ -1,0 +1,201 @@
+"""Vision-language models: the vision tower on the whole batch, the language model on the ring.
+
+A transformers VLM (``*ForConditionalGeneration``: Qwen2.5-VL, Qwen3-VL, Qwen3.5, Gemma 3,
+LLaVA, ...) embeds the text, encodes the images, writes their features over the placeholder
+tokens, computes the rotary positions of the whole sequence (Qwen's 3-D mRoPE) and then calls
+its language model on ``inputs_embeds``. Splitting the tokens before that point breaks the
+image merge and the 3-D positions, so ringseq splits after it: the patched forward runs the
+model's own multimodal code on the full batch on every rank, and the language model's call is
+intercepted (``language_model.forward`` is replaced for the duration of the call) where the
+merged embeddings, positions, padding and labels are sharded by the layout and the language
+model runs on this rank's shard with the ring. Every rank holds the same merged embeddings, so
+each rank's gradient reaches the vision tower and projector only through its own tokens: the
+gradients summed over the sequence group are the unpatched model's.
+
+The vision tower's attention is never ringseq's: only the text sub-config's implementation is
+changed (``set_attn_implementation({text key: "ringseq"})``). ``split_vision`` (``vision_split``)
+shares the images among the ranks instead of every rank encoding all of them.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ringseq import lockstep
+from ringseq.batch import sharded
+from ringseq.errors import RingSeqError
+from ringseq.lockstep import checksum, dtype_code
+
+# What Qwen3-VL's model hands its language model besides the sequence: the image tokens' places
+# and the features its early layers add there ("deepstack"), both of the whole sequence.
+DEEPSTACK = ("visual_pos_masks", "deepstack_visual_embeds")
+
+
+def text_key(model) -> str | None:
+    """The sub-config key of a VLM's language model ("text_config"), or None for a text model."""
+    config = model.config
+    text = config.get_text_config()
+    if text is config or getattr(config, "vision_config", None) is None:
+        return None
+    for key in getattr(config, "sub_configs", {}):
+        if getattr(config, key, None) is text:
+            return key
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class VisionPlan:
+    text_key: str
+    """The sub-config of the language model ("text_config"): the only one whose attention is ringseq's."""
+    split: bool = False
+    """Whether each rank encodes a share of the images (``vision_split``) instead of all of them."""
+
+
+def plan(model, split: bool) -> VisionPlan | None:
+    """The plan for a VLM (None for a text model; ``split`` on a text model is an error)."""
+    key = text_key(_transformers_model(model))
+    if key is None:
+        if split:
+            raise RingSeqError(f"split_vision=True shares a vision tower's images among the ranks, but "
+                               f"{type(model).__name__} has no vision tower")
+        return None
+    return VisionPlan(text_key=key, split=bool(split))
+
+
+def text_config(model):
+    return _transformers_model(model).config.get_text_config()
+
+
+def set_attention(model, implementation: str) -> None:
+    """Set the language model's attention implementation (a VLM's vision tower keeps its own)."""
+    key = text_key(_transformers_model(model))
+    model.set_attn_implementation(implementation if key is None else {key: implementation})
+
+
+def _transformers_model(model):
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def multimodal_model(model):
+    """The VLM's inner model: the module that holds the language model and the vision tower."""
+    decoder = model.get_decoder()
+    for module in model.modules():
+        if getattr(module, "language_model", None) is decoder:
+            return module
+    raise RingSeqError(f"{type(model).__name__} has a vision config but no module whose language_model is its decoder: "
+                       f"ringseq shards VLMs that call their language model on the merged embeddings (Qwen VL, Gemma "
+                       f"3, LLaVA); patch the text model alone instead")
+
+
+def is_sharded_vlm(model) -> bool:
+    """Whether ``model`` is a VLM ringseq can shard: its language model is a sub-config's, and an
+    inner module calls it as ``language_model``."""
+    model = _transformers_model(model)
+    if text_key(model) is None:
+        return False
+    decoder = model.get_decoder()
+    return any(getattr(m, "language_model", None) is decoder for m in model.modules())
+
+
+def _record(inputs: dict) -> dict[str, int]:
+    fields = {}
+    for key in sorted(k for k, v in inputs.items() if torch.is_tensor(v)):
+        t = inputs[key]
+        fields[f"{key} dtype"] = dtype_code(t)
+        fields.update({f"{key}.shape[{i}]": n for i, n in enumerate((list(t.shape) + [-1, -1])[:2])})
+        fields[f"{key} content"] = checksum(t)
+    return fields
+
+
+def check_same_inputs(inputs: dict, sp) -> None:
+    """Every rank must hold the same images and metadata before any rank encodes them (one
+    all-gather of a fixed-size record per tensor)."""
+    from ringseq.batch import SAME_BATCH_HINT
+
+    if sp.size > 1:
+        lockstep.agree(sp, "batch", _record(inputs), hint=SAME_BATCH_HINT)
+
+
+def _deepstack(full_mask, embeds, sp, pad: int):
+    """Qwen3-VL's visual token places and per-layer features for this rank's tokens: the mask is
+    sharded like the tokens, the features are the rows of the image tokens this rank holds, in
+    its local order (the order in which the language model reads them)."""
+    from ringseq.sharding import shard
+
+    mask = torch.nn.functional.pad(full_mask.bool(), (0, pad), value=False)
+    order = (mask.flatten().cumsum(0) - 1).reshape(mask.shape)  # row of each image token in the features
+    local_mask = shard(mask, 1, sp=sp)
+    rows = shard(order, 1, sp=sp)[local_mask].to(embeds[0].device) if embeds else None
+    return local_mask, [e.index_select(0, rows) for e in embeds] if embeds else embeds
+
+
+def _blocks(base, kwargs: dict):
+    """Gemma 3's bidirectional image blocks ([B, S] ids, -1: text) from ``token_type_ids``, by the
+    family's own function; the token types are then kept from the model, whose mask functions for
+    them the ring cannot take (it applies the blocks itself). None when the family has none."""
+    import sys
+
+    types = kwargs.get("token_type_ids")
+    blocks_of = getattr(sys.modules[type(base).__module__], "get_block_sequence_ids_for_mask", None)
+    if types is None or blocks_of is None:
+        return None
+    kwargs.pop("token_type_ids")
+    return blocks_of(types)
+
+
+@contextlib.contextmanager
+def _intercepted(lm, run):
+    """``lm.forward`` replaced by ``run`` for the duration (an instance attribute, put back after)."""
+    before = vars(lm).get("forward")
+    lm.forward = run
+    try:
+        yield
+    finally:
+        if before is None:
+            del lm.forward
+        else:
+            lm.forward = before
+
+
+def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs):
+    """The VLM's own forward on the full batch, its language model on this rank's shard.
+    Returns (the language model's output on this rank's tokens, the ``ShardedBatch``)."""
+    base = multimodal_model(model)
+    lm = base.language_model
+    inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
+    check_same_inputs({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
+                       "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels,
+                       **{k: v for k, v in kwargs.items() if torch.is_tensor(v)}}, handle.sp)
+    seen = {}
+
+    def sharded_language_model(input_ids=None, inputs_embeds=None, position_ids=None, attention_mask=None,
+                               past_key_values=None, use_cache=None, **lm_kwargs):
+        if "ringseq" in seen:
+            raise RingSeqError(f"{type(base).__name__} called its language model twice in one forward; ringseq "
+                               f"shards one call")
+        if inputs_embeds is None:
+            inputs_embeds = lm.embed_tokens(input_ids)
+        full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
+                "shift_labels": shift_labels, "attention_mask": padding}
+        local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
+                               documents_apart=handle.documents_apart, blocks=blocks)
+        if lm_kwargs.get("visual_pos_masks") is not None:
+            lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
+                lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), handle.sp, batch.pad)
+        if handle.recurrent and local.get("attention_mask") is not None:
+            lm_kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this shard
+        seen["ringseq"] = batch
+        seen["out"] = inner(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=False,
+                            ringseq=batch, **lm_kwargs)
+        return seen["out"]
+
+    padding = attention_mask
+    blocks = _blocks(base, kwargs)
+    with _intercepted(lm, sharded_language_model):
+        base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                   position_ids=position_ids, use_cache=False, **kwargs)
+    if "ringseq" not in seen:
+        raise RingSeqError(f"{type(base).__name__} never called its language model: ringseq cannot shard it")
+    return seen["out"], seen["ringseq"]

@@ -1,0 +1,51 @@
+"""Vision-language models patched against the unpatched model on the whole batch: loss and the
+SP-summed gradients of every parameter (language model, projector, vision tower) by the 2x rule."""
+import copy
+
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.layouts import multiple
+from ringseq.testing import shared_init
+
+from .hf_models import check_against, loss_and_grads
+from .vlm_models import IMAGE, make_batch, tiny_model
+
+
+def in_dtype(batch: dict, dtype) -> dict:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
+
+
+def vlm_references(family, batch):
+    """(the unpatched fp32 model, its loss and gradients, the float64 model's loss and gradients)."""
+    ref_loss, ref_grads = loss_and_grads(tiny_model(family, torch.float64), in_dtype(batch, torch.float64),
+                                         manual_loss=True)
+    base = tiny_model(family)
+    plain_loss, plain_grads = loss_and_grads(base, batch)
+    return base, (plain_loss, plain_grads, ref_loss, ref_grads)
+
+
+def crosses_a_chunk_edge(ids: torch.Tensor, sp) -> bool:
+    """Whether some image's placeholder run spans two of the layout's chunks (two ranks, or a
+    rank's two zigzag runs)."""
+    chunk = ids.size(1) // multiple(sp.layout, sp.ring_size, sp.ulysses_size)
+    image = ids == IMAGE
+    edges = torch.arange(chunk, ids.size(1), chunk)
+    return bool((image[:, edges - 1] & image[:, edges]).any())
+
+
+def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2):
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    batch = make_batch(family, 2, S_per_rank * world - short, images_per_row=images, padded=padded)
+    if world > 1 and not short:
+        assert crosses_a_chunk_edge(batch["input_ids"], sp), "no image crosses a chunk edge: move the images"
+    base, refs = vlm_references(family, batch)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp, split_vision=split)
+    loss, grads = loss_and_grads(model, batch)
+    assert any(n.startswith(("model.visual", "model.vision_tower")) for n in grads), sorted(grads)[:5]
+    check_against(refs, loss, grads, sp, f"{family} padded={padded} split={split} short={short} "
+                                         f"rank {sp.rank}/{world}")
+    ringseq.unpatch(model)
+    assert model.config.get_text_config()._attn_implementation == base.config.get_text_config()._attn_implementation
