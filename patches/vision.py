@@ -23,10 +23,12 @@ import dataclasses
 
 import torch
 
-from ringseq import lockstep
+from ringseq import lockstep, versions
 from ringseq.batch import sharded
 from ringseq.errors import RingSeqError
 from ringseq.lockstep import checksum, dtype_code
+
+from . import vision_split
 
 # What Qwen3-VL's model hands its language model besides the sequence: the image tokens' places
 # and the features its early layers add there ("deepstack"), both of the whole sequence.
@@ -61,6 +63,7 @@ def plan(model, split: bool) -> VisionPlan | None:
             raise RingSeqError(f"split_vision=True shares a vision tower's images among the ranks, but "
                                f"{type(model).__name__} has no vision tower")
         return None
+    versions.require_feature("vision", "patching a vision-language model")
     return VisionPlan(text_key=key, split=bool(split))
 
 
@@ -193,6 +196,8 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
 
     padding = attention_mask
     blocks = _blocks(base, kwargs)
+    if handle.vision.split:
+        vision_split.encoder_outputs(base, kwargs, handle.sp)
     with _intercepted(lm, sharded_language_model):
         base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                    position_ids=position_ids, use_cache=False, **kwargs)

@@ -24,10 +24,11 @@ RANGES = {
 }
 """package -> (lowest supported release, first release not supported)."""
 
-FEATURES = {"generation": ("transformers", "5.23")}
+FEATURES = {"generation": ("transformers", "5.23"), "vision": ("transformers", "5.23")}
 """feature -> (package, lowest release it is tested on, within that package's range): generate
 on a patched model relies on transformers' layered caches (linear-attention layers, generation
-without cache_position), which earlier 5.x releases do not have."""
+without cache_position), which earlier 5.x releases do not have; vision-language models rely on
+the VLMs' precomputed encoder outputs (``mm_encoder_outputs``) and token-type arguments of 5.23."""
 
 EXTRAS = {"trl": ("trl", "peft")}
 """setup.cfg's extras and the packages they bring."""

@@ -35,15 +35,30 @@ def crosses_a_chunk_edge(ids: torch.Tensor, sp) -> bool:
     return bool((image[:, edges - 1] & image[:, edges]).any())
 
 
-def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2):
+def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, video=False):
+    """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
+    its logits). ``split``: each rank encodes a share of the images (counted by a hook on the
+    vision tower); ``video`` (Qwen): a video whose temporal patches are shared too."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
-    batch = make_batch(family, 2, S_per_rank * world - short, images_per_row=images, padded=padded)
+    batch = make_batch(family, 2, S_per_rank * world - short, images_per_row=images, padded=padded, video=video)
     if world > 1 and not short:
         assert crosses_a_chunk_edge(batch["input_ids"], sp), "no image crosses a chunk edge: move the images"
     base, refs = vlm_references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp, split_vision=split)
+    encoded = []
+    tower = getattr(model.model, "visual", None) or model.model.vision_tower
+    hook = tower.register_forward_pre_hook(lambda m, args, kwargs: encoded.append(
+        (args[0] if args else next(iter(kwargs.values()))).size(0)), with_kwargs=True)
     loss, grads = loss_and_grads(model, batch)
+    hook.remove()
+    total = batch["pixel_values"].size(0) + (batch["pixel_values_videos"].size(0) if video else 0)
+    counts = torch.tensor([sum(encoded)])
+    dist.all_reduce(counts, group=sp.group)
+    if split and world > 1:  # a share each, all of them once
+        assert 0 < sum(encoded) < total and int(counts) == total, (encoded, int(counts), total)
+    else:
+        assert sum(encoded) == total, (encoded, total)
     assert any(n.startswith(("model.visual", "model.vision_tower")) for n in grads), sorted(grads)[:5]
     check_against(refs, loss, grads, sp, f"{family} padded={padded} split={split} short={short} "
                                          f"rank {sp.rank}/{world}")

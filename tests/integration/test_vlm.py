@@ -12,3 +12,19 @@ def test_vlm_matches_unpatched(pool2, pool4, family):
     across them; Qwen3-VL: deepstack features of the image tokens each rank holds)."""
     pool2.run(cases_vlm.parity, family)
     pool4.run(cases_vlm.parity, family)
+
+
+@pytest.mark.parametrize("family", VLMS)
+def test_split_vision_matches_unpatched(pool2, pool4, family):
+    """Each rank encodes a share of the images; the gathered features and the vision tower's
+    summed gradients are the unpatched model's."""
+    pool2.run(cases_vlm.parity, family, split=True)
+    pool4.run(cases_vlm.parity, family, split=True)
+
+
+def test_split_vision_shares_a_videos_frames(pool):
+    """Qwen2.5-VL: a video's temporal patches go to different ranks beside the images; padding,
+    and a length the layout pads at world 1 and 2. (Qwen3-VL puts timestamps between a video's
+    frames, which these code-made rows do not.)"""
+    pool.run(cases_vlm.parity, "qwen2_5_vl", S_per_rank=96 // pool.world_size, split=True, video=True, padded=True,
+             short=0 if pool.world_size == 4 else 3)

@@ -7,6 +7,8 @@ tokens (one per merged patch), the images' pixels in the family's format and its
 -100 on the placeholders. Images land where ``image_at`` says, so tests put them on different
 ranks and across the layout's chunk boundaries.
 """
+import math
+
 import torch
 
 VOCAB = 96
@@ -77,42 +79,53 @@ def tiny_model(family: str, dtype=torch.float32, attn: str = "sdpa"):
     return model
 
 
-def image_starts(family: str, S: int, n_images: int, row: int = 0) -> list[int]:
-    """Where each image's placeholder run begins: image k of n centred on (2k + 1) S / 2n (for
-    two images S/4 and 3S/4, which are chunk edges of the zigzag layout at world 2 and 4), row
-    by row one token later."""
-    n = tokens_per_image(family)
-    starts = [max(2, (2 * k + 1) * S // (2 * n_images) - n // 2 + row) for k in range(n_images)]
-    assert all(b - a > n + 1 for a, b in zip(starts, starts[1:])) and starts[-1] + n + 1 < S, \
-        f"{n_images} images of {n} tokens do not fit in {S}"
+def image_starts(sizes: list[int], S: int, row: int = 0) -> list[int]:
+    """Where each placeholder run (of ``sizes`` tokens) begins: run k of n centred on
+    (2k + 1) S / 2n (for two runs S/4 and 3S/4, which are chunk edges of the zigzag layout at
+    world 2 and 4), row by row one token later."""
+    n = len(sizes)
+    starts = [max(2, (2 * k + 1) * S // (2 * n) - size // 2 + row) for k, size in enumerate(sizes)]
+    assert all(b - a > size + 1 for a, b, size in zip(starts, starts[1:], sizes)) and starts[-1] + sizes[-1] + 1 < S, \
+        f"runs of {sizes} tokens do not fit in {S}"
     return starts
 
 
+VIDEO_GRID = (4, 4, 4)  # four temporal patches of 4 x 4: 16 placeholder tokens
+
+
 def make_batch(family: str, B: int, S: int, images_per_row: int = 2, seed: int = 0, padded: bool = False,
-               dtype=torch.float32) -> dict:
-    """A full batch of B rows of S tokens, each with ``images_per_row`` images."""
+               video: bool = False, dtype=torch.float32) -> dict:
+    """A full batch of B rows of S tokens, each with ``images_per_row`` images; ``video`` (Qwen):
+    row 0 holds a video of four temporal patches after its images."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(1, 80, (B, S), generator=g)
     n = tokens_per_image(family)
-    placeholder = torch.zeros(B, S, dtype=torch.long)
+    types = torch.zeros(B, S, dtype=torch.long)  # 1: image, 2: video (Qwen's mm_token_type_ids)
+    video_tokens = VIDEO_GRID[0] * VIDEO_GRID[1] * VIDEO_GRID[2] // 4
     for b in range(B):
-        for at in image_starts(family, S, images_per_row, b):
-            ids[b, at - 1], ids[b, at + n] = START, END
-            ids[b, at:at + n] = IMAGE
-            placeholder[b, at:at + n] = 1
-    labels = ids.masked_fill(placeholder.bool(), -100)
+        sizes = [n] * images_per_row + ([video_tokens] if video and b == 0 else [])
+        for k, (at, size) in enumerate(zip(image_starts(sizes, S, b), sizes)):
+            kind = 2 if k == images_per_row else 1
+            ids[b, at - 1], ids[b, at + size] = START, END
+            ids[b, at:at + size] = VIDEO if kind == 2 else IMAGE
+            types[b, at:at + size] = kind
+    labels = ids.masked_fill(types > 0, -100)
     batch = {"input_ids": ids, "labels": labels}
     count = B * images_per_row
     if family in QWEN:
         t, h, w = QWEN_GRID
         batch["pixel_values"] = torch.randn(count * t * h * w, 3 * 2 * 2 * 2, generator=g).to(dtype)
         batch["image_grid_thw"] = torch.tensor([QWEN_GRID] * count)
-        batch["mm_token_type_ids"] = placeholder.int()
+        batch["mm_token_type_ids"] = types.int()
+        if video:
+            batch["pixel_values_videos"] = torch.randn(math.prod(VIDEO_GRID), 3 * 2 * 2 * 2, generator=g).to(dtype)
+            batch["video_grid_thw"] = torch.tensor([VIDEO_GRID])
     else:
+        assert not video, "videos: Qwen families only"
         side = 16 if family == "gemma3" else 8
         batch["pixel_values"] = torch.randn(count, 3, side, side, generator=g).to(dtype)
         if family == "gemma3":
-            batch["token_type_ids"] = placeholder
+            batch["token_type_ids"] = types
     if padded:  # right padding on row 0
         mask = torch.ones(B, S, dtype=torch.long)
         mask[0, S - 3:] = 0
