@@ -12,10 +12,11 @@ Supported: ``packing`` (TRL's padding-free packing with position ids), ``padding
 ``completion_only_loss`` and ``assistant_only_loss`` (their labels), both loss types (``nll``,
 ``dft``), gradient accumulation, evaluation, a ``peft_config``, a model given as an id or path,
 ``bf16``/``fp16``, DDP and DeepSpeed ZeRO 0-3, the MoE router auxiliary loss
-(``router_aux_loss_coef``: that of the whole sequence, ``patches.router_loss``), hybrid models.
-Refused by name: ``compute_loss_func``, label smoothing, ``compute_metrics`` /
-``preprocess_logits_for_metrics`` (TRL deprecates them; its own metrics are logged), Liger
-kernels, vision datasets.
+(``router_aux_loss_coef``: that of the whole sequence, ``patches.router_loss``), hybrid models,
+vision-language models on TRL's vision datasets (messages + images, its vision collator: the
+images are encoded on the full batch, ``patches.vision``). Refused by name:
+``compute_loss_func``, label smoothing, ``compute_metrics`` / ``preprocess_logits_for_metrics``
+(TRL deprecates them; its own metrics are logged), Liger kernels.
 """
 from __future__ import annotations
 

@@ -37,6 +37,9 @@ from . import logits as logit_maps, mixers
 from .cache import ShardedCache
 
 # generation settings ringseq cannot run exactly over a sharded cache, and what to do instead
+VLM_CACHE = ("generate (or a KV cache) on a patched vision-language model is not supported: its prefill would "
+             "merge the images on the full prompt and its decode steps would need the 3-D positions of every new "
+             "token; ringseq.unpatch(model) to generate on one rank")
 REFUSED = {
     "num_beams": (lambda v: v not in (None, 1), "beam search reorders the cache across beams: use num_beams=1 "
                                                 "(greedy or sampling)"),
@@ -119,6 +122,8 @@ def generate(self, *args, **kwargs):
     (LoRA and other adapters inside the layers) generates through its inner model, which borrows
     the patched forward for the call."""
     handle = self._ringseq_patch
+    if handle.vision is not None:
+        raise RingSeqError(VLM_CACHE)
     versions.require_feature("generation", "generate on a patched model")
     check(self, kwargs)
     target = self

@@ -64,3 +64,29 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
                                          f"rank {sp.rank}/{world}")
     ringseq.unpatch(model)
     assert model.config.get_text_config()._attn_implementation == base.config.get_text_config()._attn_implementation
+
+
+def refusals():
+    """What a patched VLM refuses, every rank the same way: generation and a KV cache, a batch
+    from ringseq.shard_batch, different images on different ranks; split_vision on a text model."""
+    import pytest
+
+    from .hf_models import tiny_model as text_model
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    model = ringseq.patch(tiny_model("qwen2_5_vl"), sp=sp)
+    batch = make_batch("qwen2_5_vl", 1, 32 * world)
+    with pytest.raises(ringseq.RingSeqError, match="vision-language model is not supported"):
+        model.generate(input_ids=batch["input_ids"], max_new_tokens=2)
+    with pytest.raises(ringseq.RingSeqError, match="vision-language model is not supported"):
+        model(**batch, use_cache=True)
+    with pytest.raises(ringseq.RingSeqError, match="takes the full batch"):
+        model(**batch, ringseq=ringseq.shard_batch({"input_ids": batch["input_ids"]}, sp=sp)["ringseq"])
+    if world > 1:  # one rank's pixels differ: refused before any rank encodes them
+        other = dict(batch, pixel_values=batch["pixel_values"] + sp.rank)
+        with pytest.raises(ringseq.RingSeqError, match="same full batch"):
+            model(**other)
+    with pytest.raises(ringseq.RingSeqError, match="no vision tower"):
+        ringseq.patch(text_model("llama"), sp=sp, split_vision=True)
+    assert model(**batch).loss is not None  # still in step after every refusal

@@ -6,8 +6,9 @@
     client_step.py ringseq --reference ref.pt SCENARIO... under a launcher: ringseq.SFTTrainer /
                                                          ringseq.Trainer with sp = world size
 
-Scenarios are ``clients_common.SFT_SCENARIOS`` (TRL) and ``clm`` (transformers' run_clm
-metrics: ``preprocess_logits_for_metrics`` + ``compute_metrics``). Every rank checks, per
+Scenarios are ``clients_common.SFT_SCENARIOS`` (TRL; ``vlm*``: a tiny LLaVA on TRL's vision
+datasets and collator), ``clm`` (transformers' run_clm metrics: ``preprocess_logits_for_metrics``
++ ``compute_metrics``) and ``vlm_trainer`` (the Trainer on the vision collator's batches). Every rank checks, per
 scenario: the logged token counts equal; every other logged metric (loss, entropy, token
 accuracy, eval loss, eval accuracy) within ``metric_tolerance`` of the float64 run; and what
 the optimizer steps changed in the trainable parameters by the 2x rule against float64
@@ -25,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from clients_common import (METRICS, SFT_SCENARIOS, dataset, lora, named_trainable, run_clm_metrics,  # noqa: E402
-                            run_clm_preprocess, sft_config, tiny_llama, tokenizer)
+                            run_clm_preprocess, sft_config, tiny_llama, tiny_vlm, tokenizer, vlm_processor)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -61,6 +62,8 @@ def make_model(name: str, dtype, model_dir: str | None):
     spec = SFT_SCENARIOS.get(name, {})
     if spec.get("model_id") and dtype == torch.float32:
         return model_dir, None
+    if spec.get("vlm") or name == "vlm_trainer":
+        return tiny_vlm(dtype), (lora(vlm=True) if spec.get("peft") else None)
     return tiny_llama(dtype), (lora() if spec.get("peft") else None)
 
 
@@ -90,6 +93,16 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
         cls = ringseq.Trainer if ringseq_sp else transformers.Trainer
         kw = dict(compute_metrics=run_clm_metrics, preprocess_logits_for_metrics=run_clm_preprocess,
                   train_dataset=clm_blocks(8, 1), eval_dataset=clm_blocks(6, 2))
+    elif name == "vlm_trainer":  # the Trainer on TRL's vision collator's batches (pixels beside the tokens)
+        from trl.trainer.sft_trainer import DataCollatorForVisionLanguageModeling
+
+        args = transformers.TrainingArguments(
+            output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, learning_rate=0.5,
+            lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, logging_steps=1, report_to=[],
+            disable_tqdm=True, save_strategy="no", use_cpu=True, seed=0, remove_unused_columns=False,
+            deepspeed=ds_config(stage))
+        cls = ringseq.Trainer if ringseq_sp else transformers.Trainer
+        kw = dict(train_dataset=dataset("vlm", 8, 1), data_collator=DataCollatorForVisionLanguageModeling(vlm_processor()))
     else:
         import trl
 
@@ -97,8 +110,9 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
         args = sft_config(name, out_dir, use_cpu=True, bf16=bf16, deepspeed=ds_config(stage))
         cls = ringseq.SFTTrainer if ringseq_sp else trl.SFTTrainer
         data = SFT_SCENARIOS[name]["data"]
+        text = vlm_processor() if SFT_SCENARIOS[name].get("vlm") else tokenizer()
         kw = dict(train_dataset=dataset(data, 16, 1), peft_config=peft_config,
-                  processing_class=None if isinstance(model, str) else tokenizer())
+                  processing_class=None if isinstance(model, str) else text)
         if SFT_SCENARIOS[name].get("eval"):
             kw["eval_dataset"] = dataset(data, 6, 2)
     trainer = cls(model=model, args=args, **kw, **({"sp": ringseq_sp} if ringseq_sp else {}))

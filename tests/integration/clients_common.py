@@ -36,6 +36,46 @@ def tiny_llama(dtype=torch.float32):
     return LlamaForCausalLM(config).to(dtype)
 
 
+# A LLaVA processor and model made in code: the tokenizer knows the image token, the chat template
+# renders an image entry as one, CLIP's image processor keeps 8 x 8 pictures, whose 2 x 2 patches
+# make 16 placeholder tokens (the class token dropped). (Qwen's processors need torchvision.)
+IMAGE_TOKEN = "<image>"
+VLM_TEMPLATE = ("{% for m in messages %}{{ '<user> ' if m['role'] == 'user' else '<assistant> ' }}"
+                "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}"
+                "{% endfor %}{% if m['role'] == 'assistant' %}<eos> {% endif %}{% endfor %}")
+
+
+def vlm_processor():
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import CLIPImageProcessor, LlavaProcessor, PreTrainedTokenizerFast
+
+    vocab = {w: i for i, w in enumerate(SPECIAL + WORDS + [IMAGE_TOKEN])}
+    tok = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = WhitespaceSplit()
+    text = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                                   extra_special_tokens={"image_token": IMAGE_TOKEN})
+    images = CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8})
+    return LlavaProcessor(image_processor=images, tokenizer=text, patch_size=2, vision_feature_select_strategy="default",
+                          image_token=IMAGE_TOKEN, num_additional_image_tokens=1, chat_template=VLM_TEMPLATE)
+
+
+def tiny_vlm(dtype=torch.float32):
+    from transformers import LlavaConfig, LlavaForConditionalGeneration
+
+    torch.manual_seed(0)
+    text = dict(model_type="llama", vocab_size=len(SPECIAL) + len(WORDS) + 1, hidden_size=32, intermediate_size=64,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                pad_token_id=0, eos_token_id=1, bos_token_id=None, use_cache=False)
+    vision = dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                  num_attention_heads=2, image_size=8, patch_size=2, projection_dim=32)
+    config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=len(SPECIAL) + len(WORDS),
+                         image_seq_length=16, vision_feature_layer=-1)
+    config.use_cache = False
+    return LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").to(dtype)
+
+
 def _words(g, lo, hi):
     n = int(torch.randint(lo, hi, (1,), generator=g))
     return " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (n,), generator=g).tolist())
@@ -50,6 +90,19 @@ def dataset(kind: str, n: int, seed: int):
         rows = [{"text": _words(g, 8, 40)} for _ in range(n)]
     elif kind == "prompt_completion":
         rows = [{"prompt": _words(g, 4, 20), "completion": _words(g, 4, 20)} for _ in range(n)]
+    elif kind == "vlm":  # conversations about one or two small pictures (TRL's vision datasets: messages + images)
+        import numpy as np
+        from PIL import Image
+
+        rows = []
+        for _ in range(n):
+            count = int(torch.randint(1, 3, (1,), generator=g))
+            pictures = [Image.fromarray(np.asarray(torch.randint(0, 256, (8, 8, 3), generator=g, dtype=torch.uint8)))
+                        for _ in range(count)]
+            user = [{"type": "image"} for _ in pictures] + [{"type": "text", "text": _words(g, 4, 16)}]
+            rows.append({"messages": [{"role": "user", "content": user},
+                                      {"role": "assistant", "content": [{"type": "text", "text": _words(g, 4, 16)}]}],
+                         "images": pictures})
     elif kind == "messages":
         rows = [{"messages": [{"role": "user", "content": _words(g, 4, 16)},
                               {"role": "assistant", "content": _words(g, 4, 16)}]} for _ in range(n)]
@@ -76,6 +129,9 @@ SFT_SCENARIOS = {
     "peft": dict(data="text", peft=True),
     "model_id": dict(data="text", model_id=True),
     "bf16": dict(data="text", bf16=True),
+    "vlm": dict(data="vlm", vlm=True, max_length=None, eval=True),
+    "vlm_peft": dict(data="vlm", vlm=True, max_length=None, peft=True, gradient_checkpointing=True),
+    "vlm_bf16": dict(data="vlm", vlm=True, max_length=None, bf16=True),
 }
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy",
            "eval_mean_token_accuracy", "eval_accuracy")
@@ -84,7 +140,7 @@ METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", 
 def sft_config(name: str, out_dir: str, **extra):
     from trl import SFTConfig
 
-    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id")}
+    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id", "vlm")}
     s.setdefault("bf16", False)
     s.setdefault("max_length", 64)
     s.update(extra)
@@ -94,11 +150,12 @@ def sft_config(name: str, out_dir: str, **extra):
                      dataloader_drop_last=False, **s)
 
 
-def lora():
+def lora(vlm: bool = False):
+    """LoRA on q/v (of a VLM's language model only: a regex over the module names)."""
     from peft import LoraConfig
 
-    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
-                      init_lora_weights="gaussian")
+    targets = r".*language_model.*\.(q_proj|v_proj)" if vlm else ["q_proj", "v_proj"]
+    return LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0, init_lora_weights="gaussian")
 
 
 def run_clm_preprocess(logits, labels):

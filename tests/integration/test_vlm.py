@@ -28,3 +28,11 @@ def test_split_vision_shares_a_videos_frames(pool):
     frames, which these code-made rows do not.)"""
     pool.run(cases_vlm.parity, "qwen2_5_vl", S_per_rank=96 // pool.world_size, split=True, video=True, padded=True,
              short=0 if pool.world_size == 4 else 3)
+
+
+def test_vlm_at_world_1_2_4_padded_with_a_length_the_layout_pads(pool):
+    pool.run(cases_vlm.parity, "qwen3_vl", S_per_rank=64 // pool.world_size, padded=True, short=3)
+
+
+def test_vlm_refusals(pool):
+    pool.run(cases_vlm.refusals)
