@@ -1,8 +1,9 @@
 """What ringseq can patch exactly, checked before anything is changed.
 
 Tested families (tiny random-init configs in tests/integration): Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 text, Phi-3, gpt-oss, and the hybrids of ``HYBRID_FAMILIES`` (their recurrent
-layers sharded by ``patches.mixers``). Other decoder-only families pass when every feature they
+Gemma 2, Gemma 3 text, Phi-3, gpt-oss, the hybrids of ``HYBRID_FAMILIES`` (their recurrent
+layers sharded by ``patches.mixers``) and the vision-language models of ``VLM_FAMILIES`` (their
+language model sharded, ``patches.vision``). Other decoder-only families pass when every feature they
 use is one ringseq reproduces; anything else is listed in one ``RingSeqError``.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from .mixers import MIXERS
 
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h",
                    "granitemoehybrid", "falcon_h1", "bamba", "zamba2", "lfm2", "lfm2_moe")
-VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava")
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava", "idefics3", "smolvlm")
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES,
                    *VLM_FAMILIES)
 OTHER_TYPES = {"moe", "mlp"}  # nemotron_h's blocks without a sequence mixer
@@ -77,7 +78,7 @@ def problems(model) -> list[str]:
         found.append("audio models (ringseq shards text and vision-language models)")
     elif getattr(config, "vision_config", None) is not None and not vision.is_sharded_vlm(model):
         found.append(f"{type(model).__name__} keeps its vision tower and language model in a way ringseq does not "
-                     f"know (it shards VLMs whose inner model calls its language_model on the merged embeddings: "
+                     f"know (it shards VLMs whose inner model calls its language model on the merged embeddings: "
                      f"{', '.join(VLM_FAMILIES)})")
     if model.get_output_embeddings() is None:
         found.append(f"{type(model).__name__} has no language-model head (use a *ForCausalLM class)")

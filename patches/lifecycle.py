@@ -24,6 +24,7 @@ from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling, v
 from .documents import isolates_documents
 from .forward import forward as _forward
 from .generation import generate as _generate
+from .vision import transformers_model as _transformers_model
 from .registry import NAME, register
 
 
@@ -142,11 +143,6 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         handle.tiled_mlp = tiled_mlp
     checkpointing.watch_offload(_transformers_model(model), handle)
     return model
-
-
-def _transformers_model(model):
-    """The transformers model inside a PEFT wrapper (or the model itself)."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def options(model) -> dict:

@@ -23,16 +23,15 @@ import dataclasses
 
 import torch
 
-from ringseq import lockstep, versions
-from ringseq.batch import sharded
+from ringseq import versions
+from ringseq.batch import check_same_batch, sharded
 from ringseq.errors import RingSeqError
-from ringseq.lockstep import checksum, dtype_code
 
 from . import vision_split
 
-# What Qwen3-VL's model hands its language model besides the sequence: the image tokens' places
-# and the features its early layers add there ("deepstack"), both of the whole sequence.
-DEEPSTACK = ("visual_pos_masks", "deepstack_visual_embeds")
+def transformers_model(model):
+    """The transformers model inside a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
 def text_key(model) -> str | None:
@@ -57,7 +56,7 @@ class VisionPlan:
 
 def plan(model, split: bool) -> VisionPlan | None:
     """The plan for a VLM (None for a text model; ``split`` on a text model is an error)."""
-    key = text_key(_transformers_model(model))
+    key = text_key(transformers_model(model))
     if key is None:
         if split:
             raise RingSeqError(f"split_vision=True shares a vision tower's images among the ranks, but "
@@ -68,57 +67,54 @@ def plan(model, split: bool) -> VisionPlan | None:
 
 
 def text_config(model):
-    return _transformers_model(model).config.get_text_config()
+    return transformers_model(model).config.get_text_config()
 
 
 def set_attention(model, implementation: str) -> None:
     """Set the language model's attention implementation (a VLM's vision tower keeps its own)."""
-    key = text_key(_transformers_model(model))
+    key = text_key(transformers_model(model))
     model.set_attn_implementation(implementation if key is None else {key: implementation})
 
 
-def _transformers_model(model):
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
+# What a VLM's inner model calls its language model (Qwen VL, Gemma 3, LLaVA; Idefics3, SmolVLM)
+LANGUAGE_MODEL = ("language_model", "text_model")
+
+
+def _holder(model):
+    """(the module that holds the decoder as its language model, that attribute's name) or None."""
+    decoder = model.get_decoder()
+    for module in model.modules():
+        for name in LANGUAGE_MODEL:
+            if module is not decoder and getattr(module, name, None) is decoder:
+                return module, name
+    return None
 
 
 def multimodal_model(model):
-    """The VLM's inner model: the module that holds the language model and the vision tower."""
-    decoder = model.get_decoder()
-    for module in model.modules():
-        if getattr(module, "language_model", None) is decoder:
-            return module
-    raise RingSeqError(f"{type(model).__name__} has a vision config but no module whose language_model is its decoder: "
-                       f"ringseq shards VLMs that call their language model on the merged embeddings (Qwen VL, Gemma "
-                       f"3, LLaVA); patch the text model alone instead")
+    """(the VLM's inner model: the module that holds the language model and the vision tower,
+    its language model)."""
+    found = _holder(model)
+    if found is None:
+        raise RingSeqError(f"{type(model).__name__} has a vision config but no module whose language model is its "
+                           f"decoder: ringseq shards VLMs that call their language model on the merged embeddings "
+                           f"(Qwen VL, Gemma 3, LLaVA); patch the text model alone instead")
+    base, name = found
+    return base, getattr(base, name)
 
 
 def is_sharded_vlm(model) -> bool:
     """Whether ``model`` is a VLM ringseq can shard: its language model is a sub-config's, and an
-    inner module calls it as ``language_model``."""
-    model = _transformers_model(model)
-    if text_key(model) is None:
-        return False
-    decoder = model.get_decoder()
-    return any(getattr(m, "language_model", None) is decoder for m in model.modules())
-
-
-def _record(inputs: dict) -> dict[str, int]:
-    fields = {}
-    for key in sorted(k for k, v in inputs.items() if torch.is_tensor(v)):
-        t = inputs[key]
-        fields[f"{key} dtype"] = dtype_code(t)
-        fields.update({f"{key}.shape[{i}]": n for i, n in enumerate((list(t.shape) + [-1, -1])[:2])})
-        fields[f"{key} content"] = checksum(t)
-    return fields
+    inner module holds it as its language model."""
+    model = transformers_model(model)
+    return text_key(model) is not None and _holder(model) is not None
 
 
 def check_same_inputs(inputs: dict, sp) -> None:
     """Every rank must hold the same images and metadata before any rank encodes them (one
-    all-gather of a fixed-size record per tensor)."""
-    from ringseq.batch import SAME_BATCH_HINT
-
-    if sp.size > 1:
-        lockstep.agree(sp, "batch", _record(inputs), hint=SAME_BATCH_HINT)
+    all-gather of a fixed-size record per ten tensors)."""
+    keys = sorted(k for k, v in inputs.items() if torch.is_tensor(v))
+    for first in range(0, len(keys), 10):  # a lockstep record holds 48 fields: 4 per tensor
+        check_same_batch(inputs, sp, keys=keys[first:first + 10])
 
 
 def _deepstack(full_mask, embeds, sp, pad: int):
@@ -165,13 +161,15 @@ def _intercepted(lm, run):
 def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs):
     """The VLM's own forward on the full batch, its language model on this rank's shard.
     Returns (the language model's output on this rank's tokens, the ``ShardedBatch``)."""
-    base = multimodal_model(model)
-    lm = base.language_model
+    base, lm = multimodal_model(model)
     inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
+    # the inputs are agreed on, not the merged embeddings: a vision tower need not be bitwise alike on every rank
     check_same_inputs({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                        "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels,
                        **{k: v for k, v in kwargs.items() if torch.is_tensor(v)}}, handle.sp)
     seen = {}
+    padding = attention_mask  # the 2-D padding mask (the model may hand its language model masks of its own)
+    blocks = _blocks(base, kwargs)
 
     def sharded_language_model(input_ids=None, inputs_embeds=None, position_ids=None, attention_mask=None,
                                past_key_values=None, use_cache=None, **lm_kwargs):
@@ -183,7 +181,7 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
                 "shift_labels": shift_labels, "attention_mask": padding}
         local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
-                               documents_apart=handle.documents_apart, blocks=blocks)
+                               documents_apart=handle.documents_apart, blocks=blocks, agreed=True)
         if lm_kwargs.get("visual_pos_masks") is not None:
             lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
                 lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), handle.sp, batch.pad)
@@ -194,13 +192,11 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
                             ringseq=batch, **lm_kwargs)
         return seen["out"]
 
-    padding = attention_mask
-    blocks = _blocks(base, kwargs)
     if handle.vision.split:
         vision_split.encoder_outputs(base, kwargs, handle.sp)
     with _intercepted(lm, sharded_language_model):
-        base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                   position_ids=position_ids, use_cache=False, **kwargs)
+        base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+             use_cache=False, **kwargs)
     if "ringseq" not in seen:
         raise RingSeqError(f"{type(base).__name__} never called its language model: ringseq cannot shard it")
     return seen["out"], seen["ringseq"]

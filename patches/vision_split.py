@@ -32,6 +32,10 @@ PASSED_ON = ("vision_feature_layer", "vision_feature_select_strategy")  # LLaVA'
 def units(pixels: torch.Tensor, grid: torch.Tensor | None) -> list[tuple[int, int, tuple | None]]:
     """(first pixel row, rows, grid row of the unit or None) of every unit, in sequence order."""
     if grid is None:
+        if pixels.dim() != 4:
+            raise RingSeqError(f"split_vision shares images given as [images, channels, height, width] (Gemma 3, "
+                               f"LLaVA) or as patches with their grid (Qwen); these pixels are "
+                               f"{tuple(pixels.shape)}: patch without split_vision")
         return [(i, 1, None) for i in range(pixels.size(0))]
     out, at = [], 0
     for t, h, w in grid.tolist():

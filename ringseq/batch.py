@@ -135,15 +135,16 @@ def full_token_info(position_ids: torch.Tensor, attention_mask: torch.Tensor | N
     return TokenInfo(doc=doc, valid=valid, block=None if blocks is None else blocks.int())
 
 
-def batch_record(batch: dict) -> dict[str, int]:
-    """What every rank of a sequence group must share about a full batch (a lockstep record)."""
+def batch_record(batch: dict, contents: bool = True, keys=SEQUENCE_KEYS) -> dict[str, int]:
+    """What every rank of a sequence group must share about a full batch (a lockstep record):
+    dtype, first two sizes and (``contents``) a checksum of each of ``keys``."""
     fields = {}
-    for key in SEQUENCE_KEYS:
+    for key in keys:
         t = batch.get(key)
         shape = list(t.shape) if torch.is_tensor(t) else []
         fields[f"{key} dtype"] = dtype_code(t)
         fields.update({f"{key}.shape[{i}]": n for i, n in enumerate((shape + [-1, -1])[:2])})
-        fields[f"{key} content"] = checksum(t) if torch.is_tensor(t) else 0
+        fields[f"{key} content"] = checksum(t) if torch.is_tensor(t) and contents else 0
     return fields
 
 
@@ -153,13 +154,13 @@ SAME_BATCH_HINT = ("every rank of a group must get the same full batch. A stock 
                    "replicas (sp.dp_rank of sp.dp_size)")
 
 
-def check_same_batch(batch: dict, sp) -> None:
+def check_same_batch(batch: dict, sp, contents: bool = True, keys=SEQUENCE_KEYS) -> None:
     """Refuse when the ranks of a sequence group were handed different full batches (the usual
     mistake: a dataloader sharded over all ranks instead of over data-parallel replicas), or a
     tensor (labels, a mask) on some ranks only: one all-gather of a fixed-size record."""
     if sp.size == 1:
         return
-    lockstep.agree(sp, "batch", batch_record(batch), hint=SAME_BATCH_HINT)
+    lockstep.agree(sp, "batch", batch_record(batch, contents, keys), hint=SAME_BATCH_HINT)
 
 
 def check_batch(batch: dict) -> None:
@@ -220,9 +221,11 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     return local
 
 
-def sharded(batch, *, sp, documents_apart: bool = True, blocks=None) -> tuple[dict, ShardedBatch]:
+def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: bool = False) -> tuple[dict, ShardedBatch]:
     """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``). ``blocks``: [B, S]
-    bidirectional block ids of the full batch (-1: none; ``ringseq.attention.masks``)."""
+    bidirectional block ids of the full batch (-1: none; ``ringseq.attention.masks``). ``agreed``:
+    the caller has checked that the ranks hold the same inputs this batch was made from (a VLM's
+    merged embeddings), so their contents are not compared again, only their shapes."""
     check_sp(sp)
     if not isinstance(batch, Mapping):
         raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
@@ -233,7 +236,7 @@ def sharded(batch, *, sp, documents_apart: bool = True, blocks=None) -> tuple[di
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
     if not torch.is_tensor(tokens):
         raise RingSeqError("the batch needs input_ids or inputs_embeds (a tensor)")
-    check_same_batch(batch, sp)  # first: every rank then raises the same errors below, or none
+    check_same_batch(batch, sp, contents=not agreed)  # first: every rank then raises the same errors below, or none
     check_batch(batch)
     B, S = tokens.shape[:2]
     batch = {k: v for k, v in batch.items() if v is not None}

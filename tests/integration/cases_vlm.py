@@ -13,6 +13,9 @@ from .hf_models import check_against, loss_and_grads
 from .vlm_models import IMAGE, make_batch, tiny_model
 
 
+TOWERS = ("visual", "vision_tower", "vision_model")  # Qwen; Gemma 3, LLaVA; Idefics3
+
+
 def in_dtype(batch: dict, dtype) -> dict:
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in batch.items()}
 
@@ -47,19 +50,21 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
     base, refs = vlm_references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp, split_vision=split)
     encoded = []
-    tower = getattr(model.model, "visual", None) or model.model.vision_tower
+    tower = next(getattr(model.model, n) for n in TOWERS if hasattr(model.model, n))
     hook = tower.register_forward_pre_hook(lambda m, args, kwargs: encoded.append(
         (args[0] if args else next(iter(kwargs.values()))).size(0)), with_kwargs=True)
     loss, grads = loss_and_grads(model, batch)
     hook.remove()
-    total = batch["pixel_values"].size(0) + (batch["pixel_values_videos"].size(0) if video else 0)
+    pixels = batch["pixel_values"]
+    total = pixels.size(0) * pixels.size(1) if pixels.dim() == 5 else pixels.size(0)  # images (or Qwen's patches)
+    total += batch["pixel_values_videos"].size(0) if video else 0
     counts = torch.tensor([sum(encoded)])
     dist.all_reduce(counts, group=sp.group)
     if split and world > 1:  # a share each, all of them once
         assert 0 < sum(encoded) < total and int(counts) == total, (encoded, int(counts), total)
     else:
         assert sum(encoded) == total, (encoded, total)
-    assert any(n.startswith(("model.visual", "model.vision_tower")) for n in grads), sorted(grads)[:5]
+    assert any(n.startswith(tuple(f"model.{t}" for t in TOWERS)) for n in grads), sorted(grads)[:5]
     check_against(refs, loss, grads, sp, f"{family} padded={padded} split={split} short={short} "
                                          f"rank {sp.rank}/{world}")
     ringseq.unpatch(model)
@@ -68,7 +73,8 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
 
 def refusals():
     """What a patched VLM refuses, every rank the same way: generation and a KV cache, a batch
-    from ringseq.shard_batch, different images on different ranks; split_vision on a text model."""
+    from ringseq.shard_batch, different images on different ranks, split_vision on pixels it cannot
+    share out or on a text model."""
     import pytest
 
     from .hf_models import tiny_model as text_model
@@ -89,4 +95,7 @@ def refusals():
             model(**other)
     with pytest.raises(ringseq.RingSeqError, match="no vision tower"):
         ringseq.patch(text_model("llama"), sp=sp, split_vision=True)
+    shuffled = ringseq.patch(tiny_model("smolvlm"), sp=sp, split_vision=True)  # pixels [rows, images, 3, H, W]
+    with pytest.raises(ringseq.RingSeqError, match="split_vision shares images given as"):
+        shuffled(**make_batch("smolvlm", 2, 32 * world))
     assert model(**batch).loss is not None  # still in step after every refusal

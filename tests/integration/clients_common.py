@@ -73,7 +73,13 @@ def tiny_vlm(dtype=torch.float32):
     config = LlavaConfig(text_config=text, vision_config=vision, image_token_index=len(SPECIAL) + len(WORDS),
                          image_seq_length=16, vision_feature_layer=-1)
     config.use_cache = False
-    return LlavaForConditionalGeneration._from_config(config, attn_implementation="sdpa").to(dtype)
+    # a ZeRO-3 run earlier in the process leaves transformers' DeepSpeed config set, and LLaVA builds its tower and
+    # language model through AutoModel.from_config, which would partition them (zero.Init) with other random weights
+    # than the reference run's: build it as a fresh process would (the scenario's own arguments set it again)
+    from transformers.integrations.deepspeed import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()
+    return LlavaForConditionalGeneration(config).to(dtype)
 
 
 def _words(g, lo, hi):

@@ -14,7 +14,7 @@ def test_vlm_matches_unpatched(pool2, pool4, family):
     pool4.run(cases_vlm.parity, family)
 
 
-@pytest.mark.parametrize("family", VLMS)
+@pytest.mark.parametrize("family", [f for f in VLMS if f not in ("idefics3", "smolvlm")])  # [rows, images, ...]
 def test_split_vision_matches_unpatched(pool2, pool4, family):
     """Each rank encodes a share of the images; the gathered features and the vision tower's
     summed gradients are the unpatched model's."""

@@ -1,5 +1,6 @@
 """Tiny random-init vision-language models and long multi-image batches built in code (nothing
-downloaded): Qwen2.5-VL, Qwen3-VL, Qwen3.5 (hybrid language model), Gemma 3 and LLaVA.
+downloaded): Qwen2.5-VL, Qwen3-VL, Qwen3.5 (hybrid language model), Gemma 3, LLaVA, Idefics3 and
+SmolVLM.
 
 A batch is what the family's processor would make: text tokens with each image's placeholder
 tokens (one per merged patch), the images' pixels in the family's format and its metadata
@@ -14,7 +15,7 @@ import torch
 VOCAB = 96
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
 QWEN = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
-VLMS = (*QWEN, "gemma3", "llava")
+VLMS = (*QWEN, "gemma3", "llava", "idefics3", "smolvlm")
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0)
 QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, in_channels=3, patch_size=2,
@@ -57,11 +58,17 @@ def tiny_config(family: str):
                       num_attention_heads=2, image_size=8, patch_size=2, projection_dim=32)
         return tf.LlavaConfig(text_config=text, vision_config=vision, image_token_index=IMAGE, image_seq_length=16,
                               vision_feature_layer=-1)
+    if family in ("idefics3", "smolvlm"):  # 16 x 16 images, 4 x 4 patches, pixel shuffle by 2 -> 4 tokens
+        text = dict(TEXT, model_type="llama")
+        vision = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=2, image_size=16,
+                      patch_size=4)
+        kind = tf.Idefics3Config if family == "idefics3" else tf.SmolVLMConfig
+        return kind(text_config=text, vision_config=vision, scale_factor=2, image_token_id=IMAGE)
     raise ValueError(family)
 
 
 def tokens_per_image(family: str) -> int:
-    return {"gemma3": 4, "llava": 16}.get(family, QWEN_GRID[1] * QWEN_GRID[2] // 4)
+    return {"gemma3": 4, "llava": 16, "idefics3": 4, "smolvlm": 4}.get(family, QWEN_GRID[1] * QWEN_GRID[2] // 4)
 
 
 def tiny_model(family: str, dtype=torch.float32, attn: str = "sdpa"):
@@ -122,8 +129,10 @@ def make_batch(family: str, B: int, S: int, images_per_row: int = 2, seed: int =
             batch["video_grid_thw"] = torch.tensor([VIDEO_GRID])
     else:
         assert not video, "videos: Qwen families only"
-        side = 16 if family == "gemma3" else 8
+        side = 8 if family == "llava" else 16
         batch["pixel_values"] = torch.randn(count, 3, side, side, generator=g).to(dtype)
+        if family in ("idefics3", "smolvlm"):  # [rows, images per row, 3, H, W]
+            batch["pixel_values"] = batch["pixel_values"].reshape(B, images_per_row, 3, side, side)
         if family == "gemma3":
             batch["token_type_ids"] = types
     if padded:  # right padding on row 0
