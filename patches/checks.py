@@ -22,7 +22,7 @@ from .mixers import MIXERS
 
 HYBRID_FAMILIES = ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "kimi_linear", "nemotron_h",
                    "granitemoehybrid", "falcon_h1", "bamba", "zamba2", "lfm2", "lfm2_moe")
-VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_5", "gemma3", "llava", "idefics3", "smolvlm")
+VLM_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5", "gemma3", "llava", "idefics3", "smolvlm")
 TESTED_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text", "phi3", "gpt_oss", *HYBRID_FAMILIES,
                    *VLM_FAMILIES)
 OTHER_TYPES = {"moe", "mlp"}  # nemotron_h's blocks without a sequence mixer

@@ -49,7 +49,7 @@ def plan(model) -> RouterLoss | None:
     for options in names:
         value = next((getattr(model, n) for n in options if isinstance(getattr(model, n, None), (int, float))), None)
         if value is None:
-            config = model.config
+            config = model.config.get_text_config()  # a VLM keeps its experts in its text config
             value = next((getattr(config, n) for n in options if getattr(config, n, None) is not None), None)
         if value is None:
             raise RingSeqError(f"{type(model).__name__} adds a router loss but has none of {options}: ringseq cannot "

@@ -120,7 +120,7 @@ def test_generation_benchmark(tmp_path):
 
 
 def test_vision_benchmark(tmp_path):
-    records = bench("vision.py", "--N", "512", "--images", "4", "--sizes", "2", "--reps", "1", out=tmp_path)
+    records = bench("vision.py", "--N", "256", "--images", "2", "--sizes", "2", "--reps", "1", out=tmp_path)
     assert [(r["kind"], r["P"]) for r in records] == [("unpatched", 1), ("all", 2), ("split", 2)]
     assert all(r["ms"] > 0 and r["vision_ms"] > 0 for r in records)
     assert all(r["loss_diff"] <= 1e-5 * abs(records[0]["loss"]) for r in records[1:])

@@ -43,7 +43,7 @@ def test_sft_and_run_clm_metrics_under_accelerate(reference):
 
 def test_sft_and_run_clm_metrics_under_deepspeed_zero_2_and_3(reference):
     # NAME@STAGE, one process group
-    scenarios = ["packing@2", "peft@2", "vlm_trainer@2", "padded@3", "completion@3", "clm@3", "vlm@3"]
+    scenarios = ["packing@2", "peft@2", "padded@3", "completion@3", "clm@3", "vlm@3"]
     run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(HERE / "client_step.py"), "ringseq",
          "--reference", reference, *scenarios], scenarios, 2,
         env={**ENV, "OMP_NUM_THREADS": "1"})  # one thread per rank, as torchrun and accelerate launch give

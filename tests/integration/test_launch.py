@@ -142,8 +142,8 @@ def test_the_hybrid_example_trains_and_matches_unpatched(tmp_path):
 
 
 def test_the_vlm_example_trains_and_matches_unpatched():
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/vlm_finetune.py", "--steps", "4",
-                      "--seq-len", "1024", "--images", "16", "--split-vision")
+    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/vlm_finetune.py", "--steps", "2",
+                      "--seq-len", "512", "--images", "8", "--split-vision")
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     line = next(x for x in run.stdout.splitlines() if x.startswith("held-out loss"))
     assert float(line.rsplit("relative difference ", 1)[1].rstrip(")")) <= 1e-5, line

@@ -1,5 +1,5 @@
 """Tiny random-init vision-language models and long multi-image batches built in code (nothing
-downloaded): Qwen2.5-VL, Qwen3-VL, Qwen3.5 (hybrid language model), Gemma 3, LLaVA, Idefics3 and
+downloaded): Qwen2.5-VL, Qwen3-VL (dense and MoE with its router loss), Qwen3.5 (hybrid language model), Gemma 3, LLaVA, Idefics3 and
 SmolVLM.
 
 A batch is what the family's processor would make: text tokens with each image's placeholder
@@ -14,7 +14,7 @@ import torch
 
 VOCAB = 96
 IMAGE, VIDEO, START, END = 90, 91, 92, 93
-QWEN = ("qwen2_5_vl", "qwen3_vl", "qwen3_5")
+QWEN = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "qwen3_5")
 VLMS = (*QWEN, "gemma3", "llava", "idefics3", "smolvlm")
 TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, attention_dropout=0.0)
@@ -37,6 +37,13 @@ def tiny_config(family: str):
                                                         "mrope_interleaved": True, "rope_theta": 1e4})
         vision = dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
         return tf.Qwen3VLConfig(text_config=text, vision_config=vision, **ids)
+    if family == "qwen3_vl_moe":  # experts with the router loss in the language model
+        text = dict(TEXT, head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                    output_router_logits=True, router_aux_loss_coef=0.1,
+                    rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True,
+                                     "rope_theta": 1e4})
+        vision = dict(QWEN_VISION, num_position_embeddings=16, deepstack_visual_indexes=[0, 1])
+        return tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, **ids)
     if family == "qwen3_5":  # gated DeltaNet + full attention (the hybrid-models issue) under a vision tower
         text = dict(TEXT, head_dim=16, layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4,
                     linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
@@ -78,6 +85,7 @@ def tiny_model(family: str, dtype=torch.float32, attn: str = "sdpa"):
     config = tiny_config(family)
     config.use_cache = False
     config.get_text_config().use_cache = False
+    config.get_text_config()._experts_implementation = "eager"  # the grouped-mm experts kernel has no float64
     model = AutoModelForImageTextToText.from_config(config, attn_implementation=attn).to(dtype)
     if family == "qwen3_5":
         from .hybrid_configs import slow_memory
