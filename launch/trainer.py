@@ -104,12 +104,14 @@ class SequenceParallelMixin:
 
     def log(self, logs: dict, *args, **kwargs) -> None:
         """Every log (all ranks log at the same steps) also reports the ring's straggler:
-        ``ringseq/slowest_rank`` (group rank the others waited for) and
-        ``ringseq/wait_for_slowest_s`` since the last log (``ringseq.stats``)."""
+        ``ringseq/slowest_rank`` (group rank the others waited for),
+        ``ringseq/wait_for_slowest_s`` and ``ringseq/work_max_over_mean`` (the busiest rank's
+        attention work over the mean) since the last log (``ringseq.stats``)."""
         if self.sp.size > 1:
             report = stats(sp=self.sp, reset=True)
             logs = {**logs, "ringseq/slowest_rank": report["slowest_rank"],
-                    "ringseq/wait_for_slowest_s": round(report["wait_for_slowest_s"], 4)}
+                    "ringseq/wait_for_slowest_s": round(report["wait_for_slowest_s"], 4),
+                    "ringseq/work_max_over_mean": round(report["work_max_over_mean"], 4)}
         super().log(logs, *args, **kwargs)
 
     def _replica_loss(self, loss, num_items_in_batch):

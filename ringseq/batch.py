@@ -16,6 +16,7 @@ import torch
 
 from . import lockstep
 from .attention.masks import TokenInfo, documents
+from .attention.work import per_rank
 from .errors import RingSeqError
 from .layouts import multiple, sp_positions
 from .lockstep import checksum, dtype_code
@@ -265,5 +266,14 @@ def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: boo
         labels=local.get("labels"), attention_mask=local.get("attention_mask"),
         raw_labels=None if raw is None else shard(torch.nn.functional.pad(raw, (0, pad), value=IGNORE), 1, sp=sp))
     facts = facts.apart(documents_apart)
+    _count_work(facts)
     local["ringseq"] = facts
     return local, facts
+
+
+def _count_work(facts: ShardedBatch) -> None:
+    """Add the batch's visible pairs per ring rank to the group's tally (``ringseq.stats``)."""
+    sp = facts.sp
+    pairs = per_rank(facts.info, sp.layout, facts.padded_length, sp.ring_size)
+    st = lockstep.state(sp)
+    st.work = pairs if st.work is None else [a + b for a, b in zip(st.work, pairs)]

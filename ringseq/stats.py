@@ -34,21 +34,29 @@ def stats(*, sp, reset: bool = False) -> dict:
     ringseq collective (no communication: any rank may call it, alone or with the others; in a
     one-rank group, up to now).
 
-    Returns ``{"ranks": [{"calls", "compute_s", "wait_s"} per group rank], "slowest_rank":
-    the group rank the others waited for, "wait_for_slowest_s": how long the other ranks
-    waited on average beyond the slowest rank's own waits}``. ``reset=True`` starts a new
+    Returns ``{"ranks": [{"calls", "compute_s", "wait_s", "attention_pairs"} per group rank],
+    "slowest_rank": the group rank the others waited for, "wait_for_slowest_s": how long the other
+    ranks waited on average beyond the slowest rank's own waits, "work_max_over_mean": the busiest
+    rank's attention work over the mean}``. ``attention_pairs`` is the visible query-key pairs of a
+    full-attention layer that the rank's queries had in the batches sharded in the period, counted
+    from the full batches (``ringseq.attention.work``; under Ulysses a ring rank's pairs split over
+    its U ranks): imbalance in one's own data, whatever the clocks say. ``reset=True`` starts a new
     period after reading (on this rank: each rank keeps its own period).
     """
     check_sp(sp)
     st = lockstep.state(sp)
     now = _rows(sp)
     base = st.baseline if st.baseline is not None and len(st.baseline) == len(now) else [[0, 0.0, 0.0]] * len(now)
-    ranks = [{"calls": int(r[0] - b[0]), "compute_s": float(r[1] - b[1]), "wait_s": float(r[2] - b[2])}
-             for r, b in zip(now, base)]
+    pairs = st.work or [0] * sp.ring_size
+    U = sp.size // sp.ring_size
+    ranks = [{"calls": int(r[0] - b[0]), "compute_s": float(r[1] - b[1]), "wait_s": float(r[2] - b[2]),
+              "attention_pairs": pairs[g // U] / U} for g, (r, b) in enumerate(zip(now, base))]
     # the rank that waited least is the one the others waited for; ties go to the one that computed most
     slowest = min(range(len(ranks)), key=lambda i: (ranks[i]["wait_s"], -ranks[i]["compute_s"]))
     others = [r["wait_s"] for i, r in enumerate(ranks) if i != slowest]
     waited = max(0.0, sum(others) / len(others) - ranks[slowest]["wait_s"]) if others else 0.0
+    mean = sum(pairs) / len(pairs)
     if reset:
-        st.baseline = now
-    return {"ranks": ranks, "slowest_rank": slowest, "wait_for_slowest_s": waited}
+        st.baseline, st.work = now, None
+    return {"ranks": ranks, "slowest_rank": slowest, "wait_for_slowest_s": waited,
+            "work_max_over_mean": max(pairs) / mean if mean else 1.0}

@@ -371,3 +371,31 @@ def batch_beside_resync():
         _raises(lambda: ringseq.shard_batch({"input_ids": ids}, sp=sp), "out of step")
     ringseq.resync(sp, 4)
     ringseq.shard_batch({"input_ids": ids}, sp=sp)
+
+
+def attention_work_is_reported(ulysses=1):
+    """``stats`` reports each rank's visible query-key pairs of the batches sharded in the period,
+    counted independently here from the dense reference mask of the same packed, padded batch."""
+    from ringseq.layouts import global_positions
+    from ringseq.reference import visibility
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world, ulysses_size=ulysses)
+    S = 24 * world
+    pos = torch.tensor([list(range(S // 3)) + list(range(S - S // 3)), list(range(S))])
+    mask = torch.ones(2, S, dtype=torch.long)
+    mask[1, :5] = 0
+    ringseq.stats(sp=sp, reset=True)
+    for _ in range(2):  # two batches add up
+        ringseq.shard_batch({"input_ids": torch.zeros(2, S, dtype=torch.long), "position_ids": pos}, sp=sp)
+    ringseq.shard_batch({"input_ids": torch.zeros(2, S, dtype=torch.long), "attention_mask": mask}, sp=sp)
+    keys = 2 * visibility(S, causal=True, position_ids=pos).sum(-1) + visibility(S, causal=True,
+                                                                                attention_mask=mask).sum(-1)
+    per_query = keys.sum(0)
+    U = sp.ulysses_size  # the ranks of a Ulysses group attend all of their ring rank's queries, 1/U of the heads each
+    want = [float(per_query[global_positions(sp.layout, S, sp.ring_size, g // U)].sum()) / U for g in range(world)]
+    report = ringseq.stats(sp=sp, reset=True)
+    got = [r["attention_pairs"] for r in report["ranks"]]
+    assert got == want, (got, want)
+    assert report["work_max_over_mean"] == max(want) / (sum(want) / world)
+    assert ringseq.stats(sp=sp)["ranks"][0]["attention_pairs"] == 0  # reset

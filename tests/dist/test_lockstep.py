@@ -83,6 +83,11 @@ def test_ranks_out_of_step_give_no_result_until_they_resync(pool2, pool4):
     pool4.run(cases.raw_loop_out_of_step)
 
 
+def test_stats_report_each_ranks_attention_work(pool, pool4):
+    pool.run(cases.attention_work_is_reported)
+    pool4.run(cases.attention_work_is_reported, 2)  # Ulysses 2 x ring 2: a ring rank's pairs split in two
+
+
 def test_stats_on_one_rank_only_leaves_the_group_in_step(pool2):
     pool2.run(cases.stats_on_one_rank)
 

@@ -38,12 +38,13 @@ def crosses_a_chunk_edge(ids: torch.Tensor, sp) -> bool:
     return bool((image[:, edges - 1] & image[:, edges]).any())
 
 
-def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, video=False):
+def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, video=False, ulysses=1):
     """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
     its logits). ``split``: each rank encodes a share of the images (counted by a hook on the
-    vision tower); ``video`` (Qwen): a video whose temporal patches are shared too."""
+    vision tower); ``video`` (Qwen): a video whose temporal patches are shared too; ``ulysses``: a
+    Ulysses x ring group."""
     world = dist.get_world_size()
-    sp = shared_init(sp_size=world)
+    sp = shared_init(sp_size=world, ulysses_size=ulysses)
     batch = make_batch(family, 2, S_per_rank * world - short, images_per_row=images, padded=padded, video=video)
     if world > 1 and not short:
         assert crosses_a_chunk_edge(batch["input_ids"], sp), "no image crosses a chunk edge: move the images"
@@ -66,7 +67,7 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
         assert sum(encoded) == total, (encoded, total)
     assert any(n.startswith(tuple(f"model.{t}" for t in TOWERS)) for n in grads), sorted(grads)[:5]
     check_against(refs, loss, grads, sp, f"{family} padded={padded} split={split} short={short} "
-                                         f"rank {sp.rank}/{world}")
+                                         f"ulysses={ulysses} rank {sp.rank}/{world}")
     ringseq.unpatch(model)
     assert model.config.get_text_config()._attn_implementation == base.config.get_text_config()._attn_implementation
 

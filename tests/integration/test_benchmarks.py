@@ -125,3 +125,12 @@ def test_vision_benchmark(tmp_path):
     assert all(r["ms"] > 0 and r["vision_ms"] > 0 for r in records)
     assert all(r["loss_diff"] <= 1e-5 * abs(records[0]["loss"]) for r in records[1:])
     assert (tmp_path / "vision.png").exists()
+
+
+def test_balance_benchmark(tmp_path):
+    records = bench("balance.py", "--N", "4096", "--sizes", "2", "4", "--rows", "2", out=tmp_path)
+    assert {(r["mix"], r["P"], r["layout"]) for r in records} == {
+        (m, P, lay) for m in ("pile", "prolong64k", "prolong512k") for P in (2, 4)
+        for lay in ("zigzag", "contiguous", "striped")}
+    assert all(r["max_over_mean"] >= 1.0 and r["documents_per_row"] > 1 for r in records)
+    assert (tmp_path / "balance.png").exists()

@@ -40,3 +40,9 @@ def test_vlm_at_world_1_2_4_padded_with_a_length_the_layout_pads(pool):
 
 def test_vlm_refusals(pool):
     pool.run(cases_vlm.refusals)
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "gemma3"])
+def test_vlm_under_ulysses_x_ring(pool4, family):
+    """Ulysses 2 x ring 2: mRoPE rows and Gemma 3's image blocks over the hybrid group."""
+    pool4.run(cases_vlm.parity, family, ulysses=2)
