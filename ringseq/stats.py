@@ -9,7 +9,8 @@ putting the group out of step. In a ring every rank waits for the slowest one (a
 only after its sender finished its own step, and the next call's agreement waits for the last
 rank to arrive), so the rank that waited least is the one the others waited for. Timings are host clocks: exact on CPU; on CUDA, where
 kernels and NCCL run asynchronously, they show where the host waited, not the device.
-``RINGSEQ_STATS=0`` switches the timings off (the report then counts calls only).
+``RINGSEQ_STATS=0`` switches the timings off (the report then counts calls only) and the count of
+each rank's attention work (``attention_pairs``, counted from every full batch as it is sharded).
 """
 from __future__ import annotations
 

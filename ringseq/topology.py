@@ -63,7 +63,8 @@ class SequenceParallel:
     timeout: float
     """Seconds any ringseq wait may take before it raises ``RingSeqError``."""
     stats: bool
-    """Whether waits and block computes are timed for ``ringseq.stats``."""
+    """Whether waits and block computes are timed, and each batch's attention work per rank counted,
+    for ``ringseq.stats``."""
     mpu: object
     """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
     check_group: dist.ProcessGroup | None = None

@@ -10,11 +10,28 @@ rank's queries. The counts are those of a full-attention layer (``window`` for a
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from ringseq.layouts import global_positions
+from ringseq.layouts import owner
 
 from .masks import TokenInfo
+
+
+def _document_bounds(doc: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, S] first index and one past the last index of each token's document (O(S): running
+    maxima of the starts from the left and minima of the ends from the right)."""
+    B, S = doc.shape
+    i = torch.arange(S).expand(B, S)
+    starts = torch.ones(B, S, dtype=torch.bool)
+    starts[:, 1:] = doc[:, 1:] != doc[:, :-1]
+    first = torch.where(starts, i, 0).cummax(1).values
+    ends = torch.zeros(B, S, dtype=torch.bool)
+    ends[:, :-1] = starts[:, 1:]
+    ends[:, -1] = True
+    last = torch.where(ends, i + 1, S).flip(1).cummin(1).values.flip(1)
+    return first, last
 
 
 def visible_keys(info: TokenInfo, S: int, window: int | None = None, causal: bool = True) -> torch.Tensor:
@@ -28,8 +45,8 @@ def visible_keys(info: TokenInfo, S: int, window: int | None = None, causal: boo
         if window is not None:
             lo = (i - window + 1).clamp(min=0)[None]
     if info.doc is not None:
-        lo = torch.maximum(lo, info.doc_start(i))
-        hi = torch.minimum(hi, info.doc_end(i))
+        first, last = _document_bounds(info.doc)
+        lo, hi = torch.maximum(lo, first), torch.minimum(hi, last)
     if info.valid is None:
         return (hi - lo).clamp(min=0)
     prefix = torch.nn.functional.pad(info.valid.long().cumsum(1), (1, 0))  # [B, S + 1]
@@ -41,4 +58,10 @@ def per_rank(info: TokenInfo, layout: str, S: int, P: int, window: int | None = 
              causal: bool = True) -> list[int]:
     """Visible pairs of each ring rank's queries, summed over the batch (all samples)."""
     counts = visible_keys(info, S, window, causal).sum(0)
-    return [int(counts[global_positions(layout, S, P, r)].sum()) for r in range(P)]
+    return torch.bincount(_owners(layout, S, P), weights=counts.double(), minlength=P).long().tolist()
+
+
+@functools.lru_cache(maxsize=4)
+def _owners(layout: str, S: int, P: int) -> torch.Tensor:
+    """The ring rank of every global index (the same for every batch of one length)."""
+    return owner(layout, S, P, torch.arange(S))
