@@ -149,8 +149,13 @@ def options(model) -> dict:
     """The ``patch`` options a model was patched with ({} if it is not patched): what ringseq's
     Trainer, SFTTrainer and ``initialize`` pass on when they (re)patch a model the user patched."""
     handle = getattr(model, "_ringseq_patch", None)
-    return {} if handle is None else {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
-                                      "keep_ring_outputs": handle.keep_ring_outputs}
+    if handle is None:
+        return {}
+    chosen = {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
+              "keep_ring_outputs": handle.keep_ring_outputs}
+    if handle.vision is not None:  # a VLM keeps its vision split through the Trainers' re-patching
+        chosen["split_vision"] = handle.vision.split
+    return chosen
 
 
 def unpatch(model):

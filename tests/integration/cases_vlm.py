@@ -7,6 +7,7 @@ import torch.distributed as dist
 
 import ringseq
 from ringseq.layouts import multiple
+from ringseq.patches.lifecycle import options
 from ringseq.testing import shared_init
 
 from .hf_models import check_against, loss_and_grads
@@ -50,6 +51,7 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
         assert crosses_a_chunk_edge(batch["input_ids"], sp), "no image crosses a chunk edge: move the images"
     base, refs = vlm_references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp, split_vision=split)
+    assert options(model)["split_vision"] is split  # what ringseq's Trainers patch the model with again
     encoded = []
     tower = next(getattr(model.model, n) for n in TOWERS if hasattr(model.model, n))
     hook = tower.register_forward_pre_hook(lambda m, args, kwargs: encoded.append(
