@@ -124,10 +124,12 @@ def _deepstack(full_mask, embeds, sp, pad: int):
     from ringseq.sharding import shard
 
     mask = torch.nn.functional.pad(full_mask.bool(), (0, pad), value=False)
-    order = (mask.flatten().cumsum(0) - 1).reshape(mask.shape)  # row of each image token in the features
     local_mask = shard(mask, 1, sp=sp)
-    rows = shard(order, 1, sp=sp)[local_mask].to(embeds[0].device) if embeds else None
-    return local_mask, [e.index_select(0, rows) for e in embeds] if embeds else embeds
+    if not embeds:
+        return local_mask, embeds
+    order = (mask.flatten().cumsum(0) - 1).reshape(mask.shape)  # row of each image token in the features
+    rows = shard(order, 1, sp=sp)[local_mask].to(embeds[0].device)
+    return local_mask, [e.index_select(0, rows) for e in embeds]
 
 
 def _blocks(base, kwargs: dict):
@@ -175,7 +177,8 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
                                past_key_values=None, use_cache=None, **lm_kwargs):
         if "ringseq" in seen:
             raise RingSeqError(f"{type(base).__name__} called its language model twice in one forward; ringseq "
-                               f"shards one call")
+                               f"shards a VLM whose forward calls it once: ringseq.unpatch(model) to run it on one "
+                               f"rank, or patch its text model alone")
         if inputs_embeds is None:
             inputs_embeds = lm.embed_tokens(input_ids)
         full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
@@ -198,5 +201,6 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
              use_cache=False, **kwargs)
     if "ringseq" not in seen:
-        raise RingSeqError(f"{type(base).__name__} never called its language model: ringseq cannot shard it")
+        raise RingSeqError(f"{type(base).__name__} never called its language model, so ringseq had nothing to shard: "
+                           f"ringseq.unpatch(model) to run it on one rank, or patch its text model alone")
     return seen["out"], seen["ringseq"]

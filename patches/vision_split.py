@@ -43,7 +43,8 @@ def units(pixels: torch.Tensor, grid: torch.Tensor | None) -> list[tuple[int, in
             out.append((at, h * w, (1, h, w)))
             at += h * w
     if at != pixels.size(0):
-        raise RingSeqError(f"the grid ({grid.tolist()}) covers {at} patch rows but the pixels have {pixels.size(0)}")
+        raise RingSeqError(f"the grid ({grid.tolist()}) covers {at} patch rows but the pixels have {pixels.size(0)}: "
+                           f"pass the pixels and the grid the processor made together")
     return out
 
 

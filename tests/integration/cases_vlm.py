@@ -56,8 +56,16 @@ def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, 
     tower = next(getattr(model.model, n) for n in TOWERS if hasattr(model.model, n))
     hook = tower.register_forward_pre_hook(lambda m, args, kwargs: encoded.append(
         (args[0] if args else next(iter(kwargs.values()))).size(0)), with_kwargs=True)
+    tokens = []  # every language-model layer runs on this rank's share of the tokens, never on the whole row
+    layers = [layer.register_forward_hook(lambda m, args, out: tokens.append((out[0] if isinstance(out, tuple)
+                                                                              else out).size(-2)))
+              for layer in model.get_decoder().layers]
     loss, grads = loss_and_grads(model, batch)
-    hook.remove()
+    for h in (hook, *layers):
+        h.remove()
+    share = -(-batch["input_ids"].size(1) // multiple(sp.layout, sp.ring_size, sp.ulysses_size)) * \
+        multiple(sp.layout, sp.ring_size, sp.ulysses_size) // world
+    assert tokens and set(tokens) == {share}, (tokens, share)
     pixels = batch["pixel_values"]
     total = pixels.size(0) * pixels.size(1) if pixels.dim() == 5 else pixels.size(0)  # images (or Qwen's patches)
     total += batch["pixel_values_videos"].size(0) if video else 0
