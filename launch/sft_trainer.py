@@ -20,19 +20,11 @@ images are encoded on the full batch, ``patches.vision``). Refused by name:
 """
 from __future__ import annotations
 
-from ringseq import versions
 from ringseq.errors import RingSeqError
 
-from .trainer import SequenceParallelMixin, check_arguments, resolve_sp
+from .trainer import SequenceParallelMixin, check_arguments, import_trl, resolve_sp
 
-def _import_trl():
-    versions.require("trl", "ringseq.SFTTrainer (it answers TRL's fused LM head)")
-    import trl
-
-    return trl
-
-
-trl = _import_trl()
+trl = import_trl("ringseq.SFTTrainer (it answers TRL's fused LM head)")
 
 
 def _refuse(args, kwargs: dict) -> None:

@@ -31,6 +31,7 @@ import math
 
 import transformers
 
+from ringseq import versions
 from ringseq.config import from_ds_config
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
@@ -49,6 +50,14 @@ def _ds_section(args):
 def resolve_sp(sp, args):
     """``sp`` as given (checked against a ds_config section), else the section, else RINGSEQ_*."""
     return resolve(sp, _ds_section(args))
+
+
+def import_trl(what: str):
+    """TRL, once its version is one ringseq supports (``ringseq.versions``)."""
+    versions.require("trl", what)
+    import trl
+
+    return trl
 
 
 def check_arguments(args, kwargs: dict) -> None:

@@ -11,8 +11,14 @@ scores this rank's tokens, and the per-token fields are all-gathered into global
 Every rank then holds exactly what the unsplit model would have returned, so TRL's loss
 (a sum over the fields) is the global loss, its gradient is this rank's share (the gradient
 rule) and its metrics are the one-process metrics.
+
+TRL's GRPO installs its head with a sampling temperature (the logits are divided by it) and
+optionally an fp32 projection (``cast_lm_head_to_fp32``); the trainer that patches the model
+states them with ``configure`` (kept on the patch handle), since the patched forward replaces TRL's.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -28,6 +34,19 @@ def _check_head(config) -> None:
     if scaled:
         raise RingSeqError(f"the fused LM head under ringseq does not apply logit scaling ({', '.join(scaled)}); "
                            f"train this model with ringseq.Trainer, whose loss reads the model's own logits")
+
+
+def configure(model, *, temperature: float = 1.0, cast_lm_head_to_fp32: bool = False):
+    """The options of TRL's ``add_fused_lm_head`` for a patched model's fused head: the
+    temperature the logits are divided by, and whether the projection runs in fp32 outside
+    autocast. Returns the model."""
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is None:
+        raise RingSeqError("fused_head.configure takes a model ringseq.patch patched")
+    if not temperature > 0:
+        raise RingSeqError(f"the fused head's temperature must be positive, got {temperature}")
+    handle.fused_head = {"temperature": float(temperature), "cast_lm_head_to_fp32": bool(cast_lm_head_to_fp32)}
+    return model
 
 
 def _global(local: torch.Tensor, batch, drop_last: bool) -> torch.Tensor:
@@ -51,9 +70,14 @@ def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_it
     head = model.get_output_embeddings()
     weight, bias = head.weight, head.bias
     mask = targets != IGNORE
-    with maybe_gather_lm_head_ctx(weight, bias):
+    options = model._ringseq_patch.fused_head
+    hidden = hidden.reshape(-1, hidden.size(-1))
+    precision = contextlib.nullcontext()
+    if options["cast_lm_head_to_fp32"]:  # as TRL's head: fp32 activations, autocast off (weights cast by TRL)
+        hidden, precision = hidden.float(), torch.autocast(hidden.device.type, enabled=False)
+    with precision, maybe_gather_lm_head_ctx(weight, bias):
         log_probs, entropy, _, _, is_top1 = ChunkedLogProbFunction.apply(
-            hidden.reshape(-1, hidden.size(-1)), weight, bias, targets.clamp(min=0).reshape(-1), 1.0, VOCAB_TILE,
+            hidden, weight, bias, targets.clamp(min=0).reshape(-1), options["temperature"], VOCAB_TILE,
             getattr(config, "final_logit_softcapping", None), 1.0, FIELDS)
     log_probs, entropy = (x.view(mask.shape).masked_fill(~mask, 0) for x in (log_probs, entropy))
     is_top1 = is_top1.view(mask.shape) & mask

@@ -4,7 +4,8 @@ sharded, every new token's attention merged over the group (shapes: ``ringseq.sh
 What is patched, and why: ``patch`` sets the instance's ``generate`` to ``generate`` below (an
 instance attribute, removed by ``unpatch``). It refuses what it cannot do exactly, hands
 transformers' own ``generate`` a ``ShardedCache`` (``patches.cache``), and makes sampling draw
-the same tokens on every rank (rank 0's random state, shared for the call). transformers then
+the same tokens on every rank (rank 0's random state, shared for the call and left advanced as
+the unpatched model leaves it; a rank that came with another state gets its own back). transformers then
 calls the patched forward with that cache, which lands in ``cached_forward``:
 
 - the prefill (the cache is empty): every rank has the whole prompt. It goes in with the
@@ -98,11 +99,12 @@ def _set_rng_states(states, device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def _share_rng(sp, device) -> None:
-    """Every rank of the group takes group rank 0's random state (so samples agree)."""
-    if sp.size == 1:
-        return
+def _share_rng(sp, device) -> bool:
+    """Every rank of the group takes group rank 0's random state (so samples agree). Returns
+    whether this rank's own state was that one already."""
     states = _rng_states(device)
+    if sp.size == 1:
+        return True
     shared = []
     for state in states:
         lockstep.agree(sp, "decode", {"random state bytes": state.numel()})
@@ -111,12 +113,14 @@ def _share_rng(sp, device) -> None:
         lockstep.wait(work, sp, "group rank 0's random state", peer=0, gloo=True)
         shared.append(t)
     _set_rng_states(shared, device)
+    return all(torch.equal(a, b) for a, b in zip(states, shared))
 
 
 def generate(self, *args, **kwargs):
     """``model.generate`` across the sequence group: call it on every rank with the same
     prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
-    with group rank 0's random state; each rank's own state is put back afterwards), left-padded
+    with group rank 0's random state and leaves it where the unpatched model would; a rank whose
+    own state differed gets it back, untouched, afterwards), left-padded
     batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
     assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
     (LoRA and other adapters inside the layers) generates through its inner model, which borrows
@@ -135,16 +139,21 @@ def generate(self, *args, **kwargs):
     device = next(self.parameters()).device
     own = _rng_states(device)
     with _borrowed(self, target, handle):
-        _share_rng(handle.sp, device)
+        agreed = _share_rng(handle.sp, device)
         cache = ShardedCache(target.config, handle.sp)
         try:
             # always with the cache (a model configured with use_cache=False for training still generates the same
             # tokens; without a cache every step would prefill the whole sequence again)
-            kwargs["use_cache"] = True
+            if kwargs.get("generation_config") is not None:  # set there: transformers warns about both at once
+                kwargs["generation_config"] = copy.deepcopy(kwargs["generation_config"])
+                kwargs["generation_config"].use_cache = True
+            else:
+                kwargs["use_cache"] = True
             kwargs[_cache_name(type(target).generate)] = cache
             return type(target).generate(target, *args, **kwargs)
         finally:
-            _set_rng_states(own, device)
+            if not agreed:  # this rank drew with rank 0's state: its own comes back, untouched
+                _set_rng_states(own, device)
 
 
 @contextlib.contextmanager

@@ -54,6 +54,9 @@ class PatchHandle:
     """The MoE auxiliary loss the unpatched model adds (``patches.router_loss``), or None."""
     previous_generate: object = None
     """An instance-level generate that was there before, restored by ``unpatch``."""
+    fused_head: dict = dataclasses.field(
+        default_factory=lambda: {"temperature": 1.0, "cast_lm_head_to_fp32": False})
+    """Options of TRL's fused LM head that the patched forward answers (``patches.fused_head.configure``)."""
     vision: object = None
     """A vision-language model's plan (``patches.vision.VisionPlan``: the text sub-config whose attention is
     ringseq's, whether the images are shared among the ranks); None for a text model."""

@@ -4,7 +4,7 @@ Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, 
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
 ``config``, ``stats`` (straggler report), ``resync`` (back in step after an error in a raw loop),
 ``plan`` (cost model), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
-``SFTTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
+``SFTTrainer`` and ``GRPOTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
 third-party libraries on first use.
 """
 from . import config, loss
@@ -20,7 +20,7 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init",
+__all__ = ["GRPOTrainer", "LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init",
            "initialize", "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync", "ring_attention",
            "shard", "shard_batch", "stats", "token_info", "unpatch"]
 
@@ -35,6 +35,10 @@ def __getattr__(name):
         from .launch.sft_trainer import SFTTrainer
 
         return SFTTrainer
+    if name == "GRPOTrainer":  # needs the trl extra
+        from .launch.grpo_trainer import GRPOTrainer
+
+        return GRPOTrainer
     raise AttributeError(f"module 'ringseq' has no attribute {name!r}")
 
 

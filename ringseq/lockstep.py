@@ -53,10 +53,11 @@ PAYLOAD = HISTORY + LEDGER
 """The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait seconds)."""
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
-         "exchange backward", "decode")
+         "exchange backward", "decode", "rewards")
 """The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
 convolution halos (``ringseq.recurrent``); ``decode`` a generation step's all-gather of partial
-attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``)."""
+attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``); ``rewards``
+``ringseq.GRPOTrainer``'s broadcast of group rank 0's rewards."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position")

@@ -1,0 +1,253 @@
+"""TRL's GRPO with ringseq against one-process TRL on the same prompts.
+
+    grpo_step.py reference --out ref.pt SCENARIO...    one process, no ringseq: the stock
+                                                        trl.GRPOTrainer in fp32 ("plain") and
+                                                        float64 ("exact")
+    grpo_step.py ringseq --reference ref.pt SCENARIO... under a launcher: ringseq.GRPOTrainer with
+                                                        sp = world size (one sequence group)
+
+Each scenario trains a tiny Llama two optimizer steps (two micro-batches each) on long prompts
+of words, with a reward for naming two words. Every rank checks, per scenario: the prompts and
+completions of every generation equal the plain run's token for token (same seed: a sequence
+group acts as one TRL process); every per-token log-prob and entropy TRL computed (old policy,
+reference, policy) by the 2x rule against the float64 run; the logged metrics (rewards and
+completion lengths equal, loss / kl / entropy / clip ratios / grad norm within
+``client_step.metric_tolerance``); what the steps changed in the trainable parameters by the
+2x rule (``ringseq.testing.assert_updates_close``).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from client_step import ds_config, gathered_trainable, metric_tolerance  # noqa: E402
+from clients_common import WORDS, lora, tiny_llama, tokenizer  # noqa: E402
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+
+# the settings of each scenario beside the common ones (model_id: TRL loads the policy, and the
+# reference model of beta > 0, from a saved model; peft: LoRA, whose reference is the adapter off)
+SCENARIOS = {
+    "grpo": dict(loss_type="grpo"),
+    "bnpo_ref": dict(loss_type="bnpo", beta=0.1, model_id=True),
+    "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True),
+    "dapo_iterations": dict(loss_type="dapo", num_iterations=2, beta=0.05, model_id=True),
+    "peft": dict(loss_type="grpo", beta=0.05, peft=True),
+    "bf16": dict(loss_type="dapo", bf16=True),
+}
+EQUAL = ("reward", "reward_std", "rewards/", "frac_reward_zero_std", "completions/", "num_tokens")
+CLOSE = ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
+
+
+CALLS = [0]  # how many times this process computed rewards
+
+
+def reward_two_words(completions, **kwargs):
+    """Reward for naming w3 and w5, with a little for length (so a group's rewards differ)."""
+    CALLS[0] += 1
+    return [("w3" in c.split()) + ("w5" in c.split()) + 0.05 * len(c.split()) for c in completions]
+
+
+def prompts(n: int, seed: int):
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(n):
+        count = int(torch.randint(24, 72, (1,), generator=g))
+        rows.append({"prompt": " ".join(WORDS[i] for i in torch.randint(0, len(WORDS), (count,), generator=g))})
+    return Dataset.from_list(rows)
+
+
+def recording(base):
+    """``base`` (a GRPO trainer class) keeping what a check needs: every generation's prompt and
+    completion ids, every per-token log-prob / entropy pass, in call order."""
+
+    class Recorded(base):
+        def _generate_and_score_completions(self, inputs):
+            out = super()._generate_and_score_completions(inputs)
+            self.seen.append(("tokens", torch.cat([out["prompt_ids"], out["completion_ids"]], 1).cpu()))
+            return out
+
+        def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+            logps, entropies, aux = super()._get_per_token_logps_and_entropies(*args, **kwargs)
+            self.seen.append(("logps", logps.detach().cpu()))
+            if entropies is not None:
+                self.seen.append(("entropy", entropies.detach().cpu()))
+            return logps, entropies, aux
+
+    Recorded.seen = None
+    return Recorded
+
+
+def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model_dir: str, stage=None):
+    """Two optimizer steps; returns (what was seen, logged metrics, start, end trainable params,
+    reward calls)."""
+    import trl
+
+    import ringseq
+
+    spec = SCENARIOS[name]
+    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft")}
+    bf16 = settings.pop("bf16", False) and dtype == torch.float32
+    args = trl.GRPOConfig(
+        output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        num_generations=4, max_completion_length=12, temperature=0.9, learning_rate=0.5, optim="sgd",
+        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
+        disable_tqdm=True, save_strategy="no", seed=0, use_cpu=True, bf16=bf16, deepspeed=ds_config(stage),
+        model_init_kwargs={"dtype": dtype} if spec.get("model_id") else None, **settings)
+    if spec.get("model_id"):
+        model = model_dir
+    else:
+        model = tiny_llama(dtype)
+    cls = recording(ringseq.GRPOTrainer if sp is not None else trl.GRPOTrainer)
+    trainer = cls(model=model, reward_funcs=reward_two_words, args=args, train_dataset=prompts(16, 1),
+                  processing_class=tokenizer(), peft_config=lora() if spec.get("peft") else None,
+                  **({"sp": sp} if sp is not None else {}))
+    trainer.seen, CALLS[0] = [], 0
+    start = gathered_trainable(trainer)
+    trainer.train()
+    logged = [{k: v for k, v in h.items() if k.startswith(EQUAL + CLOSE)} for h in trainer.state.log_history
+              if "loss" in h]
+    return trainer.seen, logged, start, gathered_trainable(trainer), CALLS[0]
+
+
+def refused(make, words):
+    import ringseq
+
+    try:
+        make()
+    except ringseq.RingSeqError as err:
+        assert words in str(err), err
+        return
+    raise AssertionError(f"not refused: {words}")
+
+
+def grpo_config(out_dir: str, **settings):
+    import trl
+
+    settings = {"per_device_train_batch_size": 4, "num_generations": 4, "max_completion_length": 4, **settings}
+    return trl.GRPOConfig(output_dir=out_dir, report_to=[], use_cpu=True, **settings)
+
+
+def make_trainer(sp, args, model=None, **kwargs):
+    import ringseq
+
+    return ringseq.GRPOTrainer(model=tiny_llama() if model is None else model, reward_funcs=reward_two_words,
+                               args=args, train_dataset=prompts(4, 1), processing_class=tokenizer(), sp=sp, **kwargs)
+
+
+def refusals(out_dir: str) -> None:
+    """What ringseq.GRPOTrainer refuses in one process, each with the fix."""
+    import ringseq
+    from clients_common import tiny_vlm
+
+    sp = ringseq.init(sp_size=1)
+    refused(lambda: make_trainer(sp, grpo_config(out_dir, use_vllm=True)), "set use_vllm=False")
+    refused(lambda: make_trainer(sp, grpo_config(out_dir, use_liger_kernel=True)), "set use_liger_kernel=False")
+    refused(lambda: make_trainer(sp, grpo_config(out_dir), tools=[reward_two_words]), "does not take tools")
+    refused(lambda: make_trainer(sp, grpo_config(out_dir), rollout_func=lambda p, t: {}),
+            "does not take rollout_func")
+    refused(lambda: make_trainer(sp, grpo_config(out_dir), model=tiny_vlm()), "trains text models")
+    print("refusals ok", flush=True)
+
+
+def reference(args) -> None:
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = os.path.join(tmp, "model")
+        tiny_llama().save_pretrained(model_dir)
+        for name in args.scenarios:
+            plain = run_scenario(name, out_dir=os.path.join(tmp, name), model_dir=model_dir)
+            exact = run_scenario(name, dtype=torch.float64, out_dir=os.path.join(tmp, name + "64"), model_dir=model_dir)
+            tokens = [[t for kind, t in run[0] if kind == "tokens"] for run in (plain, exact)]
+            assert len(tokens[0]) == len(tokens[1]) and all(map(torch.equal, *tokens)), \
+                f"{name}: the float64 run sampled other completions than the fp32 run"
+            results[name] = {"plain": plain, "exact": exact}
+            print(f"reference {name}: {plain[1][-1]}", flush=True)
+        torch.save(results, args.out)
+        refusals(tmp)  # last: it joins a process group of one
+
+
+def check(name: str, got, ref, rank: int, group_rank: int) -> None:
+    from ringseq.testing import assert_close, assert_updates_close
+
+    seen, logged, start, end, calls = got
+    (plain_seen, plain_logged, plain_start, plain_end, plain_calls), (exact_seen, exact_logged, _, exact_end, _) = \
+        ref["plain"], ref["exact"]
+    where = f"rank {rank}: {name}"
+    once = plain_calls if group_rank == 0 else 0  # rewards once per group, on its rank 0
+    assert calls == once, f"{where}: computed rewards {calls} times, not {once}"
+    assert [k for k, _ in seen] == [k for k, _ in plain_seen], f"{where}: {[k for k, _ in seen]} passes"
+    for i, ((kind, t), (_, p), (_, e)) in enumerate(zip(seen, plain_seen, exact_seen)):
+        if kind == "tokens":
+            assert torch.equal(t, p), f"{where}: generation {i}: other prompts or completions than TRL's\n{t}\n{p}"
+        else:
+            assert_close(t, p, e.double(), f"{where}: pass {i} ({kind})")
+    assert [sorted(m) for m in logged] == [sorted(m) for m in plain_logged], \
+        f"{where}: logged {logged} but the stock run logged {plain_logged}"
+    for step, (m, p, e) in enumerate(zip(logged, plain_logged, exact_logged)):
+        for key in m:
+            if key.startswith(EQUAL):
+                assert m[key] == p[key], f"{where}: step {step} {key} {m[key]} != {p[key]}"
+                continue
+            tol = metric_tolerance(p[key], e[key], SCENARIOS[name].get("bf16", False))
+            assert abs(m[key] - e[key]) <= tol, (f"{where}: step {step} {key} {m[key]!r} vs float64 {e[key]!r} "
+                                                 f"(stock fp32 {p[key]!r}): off by {abs(m[key] - e[key]):.2e} > {tol:.2e}")
+    assert start.keys() == plain_start.keys() and all(torch.equal(start[k], plain_start[k]) for k in start), \
+        f"{where}: the trainable parameters started elsewhere than in the stock run"
+    assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates")
+
+
+def ringseq_run(args) -> None:
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.processes import exit_now
+
+    sp = ringseq.init(sp_size=int(os.environ.get("WORLD_SIZE", "1")))
+    refs = torch.load(args.reference, weights_only=False)
+    rank = dist.get_rank()
+    folder = [tempfile.mkdtemp(prefix="ringseq-grpo-") if rank == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    model_dir = os.path.join(folder[0], "model")
+    if rank == 0:
+        tiny_llama().save_pretrained(model_dir)
+    dist.barrier()
+    for item in args.scenarios:  # NAME or NAME@STAGE (a DeepSpeed ZeRO stage)
+        name, _, stage = item.partition("@")
+        got = run_scenario(name, sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
+                           stage=int(stage) if stage else None)
+        check(name, got, refs[name], rank, sp.rank)
+        print(f"rank {rank}: {item} ok: {got[1][-1]}", flush=True)
+        dist.barrier()
+    # a sequence group is one process: 2 completions per step per group do not make groups of 4
+    refused(lambda: make_trainer(sp, grpo_config(folder[0], per_device_train_batch_size=2, gradient_accumulation_steps=1)),
+            "does not split into groups of num_generations=4")
+    print(f"rank {rank}: group refusals ok", flush=True)
+    if rank == 0:
+        shutil.rmtree(folder[0], ignore_errors=True)
+    dist.barrier()
+    exit_now(0)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("mode", choices=["reference", "ringseq"])
+    parser.add_argument("scenarios", nargs="+")
+    parser.add_argument("--out")
+    parser.add_argument("--reference")
+    parser.add_argument("--local_rank", type=int, default=0)
+    args = parser.parse_args()
+    reference(args) if args.mode == "reference" else ringseq_run(args)
+
+
+if __name__ == "__main__":
+    main()
