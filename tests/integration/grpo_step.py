@@ -6,6 +6,10 @@
     grpo_step.py ringseq --reference ref.pt SCENARIO... under a launcher: ringseq.GRPOTrainer with
                                                         sp = world size (one sequence group)
 
+Data-parallel replicas: ``reference`` under ``accelerate launch`` runs TRL's own data
+parallelism (ref.pt.replicaR per process) and ``ringseq --sp-size 2 --reference
+'ref.pt.replica{replica}'`` on twice the processes checks each replica against TRL's process.
+
 Each scenario trains a tiny Llama two optimizer steps (two micro-batches each) on long prompts
 of words, with a reward for naming two words. Every rank checks, per scenario: the prompts and
 completions of every generation equal the plain run's token for token (same seed: a sequence
@@ -160,20 +164,38 @@ def refusals(out_dir: str) -> None:
 
 
 def reference(args) -> None:
-    results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        model_dir = os.path.join(tmp, "model")
+    """One process; or, under a launcher, TRL's own data parallelism (one process per replica:
+    each process saves what it saw to ``OUT.replicaR``)."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:  # without a GPU Accelerate finds no backend by itself: DDP over gloo
+        from accelerate import PartialState
+
+        PartialState(cpu=True)
+    rank = dist.get_rank() if world > 1 else 0
+    work = args.out + ".work"
+    model_dir = os.path.join(work, "model")
+    if rank == 0:
         tiny_llama().save_pretrained(model_dir)
-        for name in args.scenarios:
-            plain = run_scenario(name, out_dir=os.path.join(tmp, name), model_dir=model_dir)
-            exact = run_scenario(name, dtype=torch.float64, out_dir=os.path.join(tmp, name + "64"), model_dir=model_dir)
-            tokens = [[t for kind, t in run[0] if kind == "tokens"] for run in (plain, exact)]
-            assert len(tokens[0]) == len(tokens[1]) and all(map(torch.equal, *tokens)), \
-                f"{name}: the float64 run sampled other completions than the fp32 run"
-            results[name] = {"plain": plain, "exact": exact}
-            print(f"reference {name}: {plain[1][-1]}", flush=True)
-        torch.save(results, args.out)
-        refusals(tmp)  # last: it joins a process group of one
+    if world > 1:
+        dist.barrier()
+    results = {}
+    for name in args.scenarios:
+        plain = run_scenario(name, out_dir=os.path.join(work, name), model_dir=model_dir)
+        exact = run_scenario(name, dtype=torch.float64, out_dir=os.path.join(work, name + "64"), model_dir=model_dir)
+        tokens = [[t for kind, t in run[0] if kind == "tokens"] for run in (plain, exact)]
+        assert len(tokens[0]) == len(tokens[1]) and all(map(torch.equal, *tokens)), \
+            f"{name}: the float64 run sampled other completions than the fp32 run"
+        results[name] = {"plain": plain, "exact": exact}
+        print(f"reference {name}: {plain[1][-1]}", flush=True)
+    torch.save(results, args.out if world == 1 else f"{args.out}.replica{rank}")
+    if world > 1:
+        dist.barrier()
+    elif args.refusals:
+        refusals(work)  # last: it joins a process group of one
+    if rank == 0:
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def check(name: str, got, ref, rank: int, group_rank: int) -> None:
@@ -212,8 +234,10 @@ def ringseq_run(args) -> None:
     import ringseq
     from ringseq.processes import exit_now
 
-    sp = ringseq.init(sp_size=int(os.environ.get("WORLD_SIZE", "1")))
-    refs = torch.load(args.reference, weights_only=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    sp = ringseq.init(sp_size=args.sp_size or world)
+    # one-process TRL, or (a path with {replica}) TRL's process of this rank's replica
+    refs = torch.load(args.reference.format(replica=sp.dp_rank), weights_only=False)
     rank = dist.get_rank()
     folder = [tempfile.mkdtemp(prefix="ringseq-grpo-") if rank == 0 else None]
     dist.broadcast_object_list(folder, src=0)
@@ -228,9 +252,10 @@ def ringseq_run(args) -> None:
         check(name, got, refs[name], rank, sp.rank)
         print(f"rank {rank}: {item} ok: {got[1][-1]}", flush=True)
         dist.barrier()
-    # a sequence group is one process: 2 completions per step per group do not make groups of 4
-    refused(lambda: make_trainer(sp, grpo_config(folder[0], per_device_train_batch_size=2, gradient_accumulation_steps=1)),
-            "does not split into groups of num_generations=4")
+    # a sequence group is one process: per_device_train_batch_size x replicas completions per step (TRL would
+    # count 4, one per process) do not make groups of 4
+    settings = dict(per_device_train_batch_size=4 // world, gradient_accumulation_steps=1)
+    refused(lambda: make_trainer(sp, grpo_config(folder[0], **settings)), "does not split into groups of num_generations=4")
     print(f"rank {rank}: group refusals ok", flush=True)
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
@@ -244,6 +269,8 @@ def main():
     parser.add_argument("scenarios", nargs="+")
     parser.add_argument("--out")
     parser.add_argument("--reference")
+    parser.add_argument("--sp-size", type=int, default=None, help="ringseq mode: default the world size")
+    parser.add_argument("--refusals", action="store_true", help="reference mode: then check the refusals")
     parser.add_argument("--local_rank", type=int, default=0)
     args = parser.parse_args()
     reference(args) if args.mode == "reference" else ringseq_run(args)

@@ -29,6 +29,7 @@ def test_attention_benchmark(tmp_path):
     assert (tmp_path / "attention.png").exists() and (tmp_path / "attention.jsonl").exists()
 
 
+@pytest.mark.slow  # a process tree per mode; Ulysses x ring attention is tested in tests/dist
 def test_modes_benchmark(tmp_path):
     # pure Ulysses (--ulysses-sizes 4) is the same script with one more process tree; its attention is in tests/dist
     records = bench("modes.py", "modes", "--modes-n", "512", "--kv-heads", "4", "--ulysses-sizes", "1", "2",
@@ -38,6 +39,7 @@ def test_modes_benchmark(tmp_path):
     assert all(r["max_err"] < SANE for r in records) and (tmp_path / "modes.png").exists()
 
 
+@pytest.mark.slow  # three process trees; the memory features it measures are tested in test_hf_models
 def test_model_memory_benchmark(tmp_path):
     records = bench("model_memory.py", "--lengths", "256", "--sizes", "1", "2", out=tmp_path)
     assert [(r["system"], r["P"]) for r in records] == [("unpatched", 1), ("ringseq", 1), ("ringseq", 2)]
@@ -109,6 +111,7 @@ def test_hybrid_benchmark(tmp_path):
     assert (tmp_path / "hybrid.png").exists()
 
 
+@pytest.mark.slow  # two process trees; sharded generation and its cache are tested in test_generation
 def test_generation_benchmark(tmp_path):
     # --longest (a doubling search of process trees) is left out here: the sharded cache's bytes are tested in
     # test_generation, and the search is the same measure() at other lengths
@@ -119,6 +122,7 @@ def test_generation_benchmark(tmp_path):
     assert (tmp_path / "generation.png").exists()
 
 
+@pytest.mark.slow  # three process trees; the VLM paths it times are tested in test_vlm
 def test_vision_benchmark(tmp_path):
     records = bench("vision.py", "--N", "256", "--images", "2", "--sizes", "2", "--reps", "1", out=tmp_path)
     assert [(r["kind"], r["P"]) for r in records] == [("unpatched", 1), ("all", 2), ("split", 2)]

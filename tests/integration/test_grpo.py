@@ -1,6 +1,7 @@
-"""ringseq.GRPOTrainer through the real launchers against one-process trl.GRPOTrainer on the same
-prompts (grpo_step.py: completions token for token, per-token log-probs, logged metrics and
-parameter updates, every rank asserting)."""
+"""ringseq.GRPOTrainer through the real launchers against trl.GRPOTrainer on the same prompts
+(grpo_step.py: completions token for token, per-token log-probs, logged metrics, reward calls and
+parameter updates, every rank asserting): one sequence group against one TRL process, and two
+replicas of two ranks (under DeepSpeed ZeRO-2 and 3) against TRL's two data-parallel processes."""
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ from ringseq.processes import free_port
 from .test_clients import DEEPSPEED, ENV, HERE, ROOT
 
 SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "bf16"]
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
 
 
 def run(cmd, scenarios, nproc, env=ENV):
@@ -19,27 +21,32 @@ def run(cmd, scenarios, nproc, env=ENV):
     assert out.returncode == 0, text[-5000:]
     for name in scenarios:
         assert text.count(f": {name} ok:") == nproc, f"{name}:\n" + text[-5000:]
-    return text
+    assert text.count("group refusals ok") == nproc, text[-3000:]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     path = tmp_path_factory.mktemp("grpo") / "reference.pt"
-    text = run([sys.executable, str(HERE / "grpo_step.py"), "reference", "--out", str(path), *SCENARIOS], [], 0)
-    assert "refusals ok" in text, text[-3000:]
+    out = subprocess.run([sys.executable, str(HERE / "grpo_step.py"), "reference", "--refusals", "--out", str(path),
+                          *SCENARIOS], cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0 and "refusals ok" in out.stdout, (out.stdout + out.stderr)[-5000:]
     return str(path)
 
 
 @pytest.mark.parametrize("nproc", [2, 4])
-def test_grpo_under_accelerate(reference, nproc):
-    scenarios = SCENARIOS if nproc == 2 else ["grpo", "dapo_iterations", "peft"]
-    text = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
-                "--main_process_port", str(free_port()), str(HERE / "grpo_step.py"), "ringseq", "--reference",
-                reference, *scenarios], scenarios, nproc)
-    assert text.count("group refusals ok") == nproc, text[-3000:]
+def test_grpo_one_group_equals_one_trl_process(reference, nproc):
+    scenarios = SCENARIOS if nproc == 2 else ["dapo_iterations", "peft"]
+    run([*ACCELERATE, "--num_processes", str(nproc), "--main_process_port", str(free_port()),
+         str(HERE / "grpo_step.py"), "ringseq", "--reference", reference, *scenarios], scenarios, nproc)
 
 
-def test_grpo_under_deepspeed_zero_2_and_3(reference):
+def test_grpo_replicas_under_deepspeed_zero_2_and_3_equal_trl_data_parallel(tmp_path):
+    path = str(tmp_path / "replicas.pt")
+    out = subprocess.run([*ACCELERATE, "--num_processes", "2", "--main_process_port", str(free_port()),
+                          str(HERE / "grpo_step.py"), "reference", "--out", path, "grpo", "bnpo_ref"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
     scenarios = ["grpo@2", "bnpo_ref@3"]
-    run([DEEPSPEED, "--num_gpus", "2", "--master_port", str(free_port()), str(HERE / "grpo_step.py"), "ringseq",
-         "--reference", reference, *scenarios], scenarios, 2, env={**ENV, "OMP_NUM_THREADS": "1"})
+    run([DEEPSPEED, "--num_gpus", "4", "--master_port", str(free_port()), str(HERE / "grpo_step.py"), "ringseq",
+         "--sp-size", "2", "--reference", path + ".replica{replica}", *scenarios], scenarios, 4,
+        env={**ENV, "OMP_NUM_THREADS": "1"})
