@@ -1,5 +1,6 @@
 """The ringseq command and DeepSpeed glue, through the real launchers in subprocesses."""
 import glob
+import json
 import os
 import subprocess
 import sys
@@ -148,3 +149,13 @@ def test_the_vlm_example_trains_and_matches_unpatched():
     line = next(x for x in run.stdout.splitlines() if x.startswith("held-out loss"))
     assert float(line.rsplit("relative difference ", 1)[1].rstrip(")")) <= 1e-5, line
     assert "kinds named right: " in run.stdout, run.stdout[-2000:]
+
+
+def test_the_grpo_example_trains_and_draws_its_rewards(tmp_path):
+    out, plot = tmp_path / "rewards.json", tmp_path / "rewards.png"
+    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/grpo_retrieval.py", "--steps", "2",
+                      "--prompt-len", "96", "--mentions", "2", "--out", str(out), "--plot", str(plot))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rewards = json.loads(out.read_text())
+    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards) and plot.exists(), run.stdout[-2000:]
+    assert "sequences of 98 tokens over 2 ranks" in run.stdout, run.stdout[-2000:]
