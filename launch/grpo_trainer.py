@@ -40,7 +40,7 @@ import logging
 import torch
 import torch.distributed as dist
 
-from ringseq import lockstep
+from ringseq import lockstep, versions
 from ringseq.errors import RingSeqError
 
 from .accelerate_glue import _gather_replicas
@@ -169,6 +169,7 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
         from ringseq import patch, unpatch
         from ringseq.patches.lifecycle import options
 
+        versions.require_feature("generation", "ringseq.GRPOTrainer (its rollouts are the patched model's generate)")
         self.sp = resolve_sp(sp, args)
         if args is None:  # TRL's default, made here so that its batch sizes can count replicas
             name = model if isinstance(model, str) else model.config._name_or_path
@@ -246,5 +247,6 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
                 lockstep.mark_failed(self.sp, f"a reward function: {type(exc).__name__}: {exc}")
                 raise
         else:
-            rewards = torch.empty(len(prompts) * self.sp.dp_size, len(self.reward_funcs), device=self.accelerator.device)
+            rows = len(prompts) * self.sp.dp_size  # every replica's completions, as TRL's gather returns them
+            rewards = torch.empty(rows, len(self.reward_funcs), device=self.accelerator.device)
         return _share_rewards(self.sp, rewards)

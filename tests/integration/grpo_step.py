@@ -39,7 +39,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # the settings of each scenario beside the common ones (model_id: TRL loads the policy, and the
 # reference model of beta > 0, from a saved model; peft: LoRA, whose reference is the adapter off)
 SCENARIOS = {
-    "grpo": dict(loss_type="grpo"),
+    "grpo": dict(loss_type="grpo", eval=True),
     "bnpo_ref": dict(loss_type="bnpo", beta=0.1, model_id=True),
     "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True),
     "dapo_iterations": dict(loss_type="dapo", num_iterations=2, beta=0.05, model_id=True),
@@ -51,6 +51,10 @@ CLOSE = ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
 
 
 CALLS = [0]  # how many times this process computed rewards
+
+
+def compared(key: str) -> bool:
+    return key.removeprefix("eval_").startswith(EQUAL + CLOSE)
 
 
 def reward_two_words(completions, **kwargs):
@@ -99,13 +103,14 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     import ringseq
 
     spec = SCENARIOS[name]
-    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft")}
+    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval")}
     bf16 = settings.pop("bf16", False) and dtype == torch.float32
     args = trl.GRPOConfig(
         output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
         num_generations=4, max_completion_length=12, temperature=0.9, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
-        disable_tqdm=True, save_strategy="no", seed=0, use_cpu=True, bf16=bf16, deepspeed=ds_config(stage),
+        disable_tqdm=True, save_strategy="no", seed=0, per_device_eval_batch_size=4, use_cpu=True, bf16=bf16,
+        deepspeed=ds_config(stage),
         model_init_kwargs={"dtype": dtype} if spec.get("model_id") else None, **settings)
     if spec.get("model_id"):
         model = model_dir
@@ -113,13 +118,16 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
         model = tiny_llama(dtype)
     cls = recording(ringseq.GRPOTrainer if sp is not None else trl.GRPOTrainer)
     trainer = cls(model=model, reward_funcs=reward_two_words, args=args, train_dataset=prompts(16, 1),
+                  eval_dataset=prompts(2, 2) if spec.get("eval") else None,
                   processing_class=tokenizer(), peft_config=lora() if spec.get("peft") else None,
                   **({"sp": sp} if sp is not None else {}))
     trainer.seen, CALLS[0] = [], 0
     start = gathered_trainable(trainer)
     trainer.train()
-    logged = [{k: v for k, v in h.items() if k.startswith(EQUAL + CLOSE)} for h in trainer.state.log_history
-              if "loss" in h]
+    if spec.get("eval"):
+        trainer.evaluate()  # generates for the eval prompts and logs eval_loss, eval_reward, ...
+    logged = [{k: v for k, v in h.items() if compared(k)} for h in trainer.state.log_history
+              if "loss" in h or "eval_loss" in h]
     return trainer.seen, logged, start, gathered_trainable(trainer), CALLS[0]
 
 
@@ -217,12 +225,12 @@ def check(name: str, got, ref, rank: int, group_rank: int) -> None:
         f"{where}: logged {logged} but the stock run logged {plain_logged}"
     for step, (m, p, e) in enumerate(zip(logged, plain_logged, exact_logged)):
         for key in m:
-            if key.startswith(EQUAL):
+            if key.removeprefix("eval_").startswith(EQUAL):
                 assert m[key] == p[key], f"{where}: step {step} {key} {m[key]} != {p[key]}"
                 continue
             tol = metric_tolerance(p[key], e[key], SCENARIOS[name].get("bf16", False))
-            assert abs(m[key] - e[key]) <= tol, (f"{where}: step {step} {key} {m[key]!r} vs float64 {e[key]!r} "
-                                                 f"(stock fp32 {p[key]!r}): off by {abs(m[key] - e[key]):.2e} > {tol:.2e}")
+            assert abs(m[key] - e[key]) <= tol, (f"{where}: step {step} {key} {m[key]!r} vs float64 {e[key]!r} (stock "
+                                                 f"fp32 {p[key]!r}): off by {abs(m[key] - e[key]):.2e} > {tol:.2e}")
     assert start.keys() == plain_start.keys() and all(torch.equal(start[k], plain_start[k]) for k in start), \
         f"{where}: the trainable parameters started elsewhere than in the stock run"
     assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates")
@@ -255,7 +263,8 @@ def ringseq_run(args) -> None:
     # a sequence group is one process: per_device_train_batch_size x replicas completions per step (TRL would
     # count 4, one per process) do not make groups of 4
     settings = dict(per_device_train_batch_size=4 // world, gradient_accumulation_steps=1)
-    refused(lambda: make_trainer(sp, grpo_config(folder[0], **settings)), "does not split into groups of num_generations=4")
+    refused(lambda: make_trainer(sp, grpo_config(folder[0], **settings)),
+            "does not split into groups of num_generations=4")
     print(f"rank {rank}: group refusals ok", flush=True)
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
