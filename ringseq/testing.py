@@ -172,3 +172,15 @@ def assert_updates_close(got: dict, plain: dict, ref64: dict, start: dict, what:
     dtype = next(iter(got.values())).dtype
     assert_named_close(moved(got), moved(plain), moved(ref64), what, rounded={n: p.double() for n, p in ref64.items()},
                        dtype=dtype)
+
+
+def assert_refused(make, words: str) -> None:
+    """``make()`` raises ``RingSeqError`` whose message says ``words``."""
+    from .errors import RingSeqError
+
+    try:
+        make()
+    except RingSeqError as err:
+        assert words in str(err), err
+        return
+    raise AssertionError(f"not refused: {words}")

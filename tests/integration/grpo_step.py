@@ -131,17 +131,6 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     return trainer.seen, logged, start, gathered_trainable(trainer), CALLS[0]
 
 
-def refused(make, words):
-    import ringseq
-
-    try:
-        make()
-    except ringseq.RingSeqError as err:
-        assert words in str(err), err
-        return
-    raise AssertionError(f"not refused: {words}")
-
-
 def grpo_config(out_dir: str, **settings):
     import trl
 
@@ -160,14 +149,15 @@ def refusals(out_dir: str) -> None:
     """What ringseq.GRPOTrainer refuses in one process, each with the fix."""
     import ringseq
     from clients_common import tiny_vlm
+    from ringseq.testing import assert_refused
 
     sp = ringseq.init(sp_size=1)
-    refused(lambda: make_trainer(sp, grpo_config(out_dir, use_vllm=True)), "set use_vllm=False")
-    refused(lambda: make_trainer(sp, grpo_config(out_dir, use_liger_kernel=True)), "set use_liger_kernel=False")
-    refused(lambda: make_trainer(sp, grpo_config(out_dir), tools=[reward_two_words]), "does not take tools")
-    refused(lambda: make_trainer(sp, grpo_config(out_dir), rollout_func=lambda p, t: {}),
+    assert_refused(lambda: make_trainer(sp, grpo_config(out_dir, use_vllm=True)), "set use_vllm=False")
+    assert_refused(lambda: make_trainer(sp, grpo_config(out_dir, use_liger_kernel=True)), "set use_liger_kernel=False")
+    assert_refused(lambda: make_trainer(sp, grpo_config(out_dir), tools=[reward_two_words]), "does not take tools")
+    assert_refused(lambda: make_trainer(sp, grpo_config(out_dir), rollout_func=lambda p, t: {}),
             "does not take rollout_func")
-    refused(lambda: make_trainer(sp, grpo_config(out_dir), model=tiny_vlm()), "trains text models")
+    assert_refused(lambda: make_trainer(sp, grpo_config(out_dir), model=tiny_vlm()), "trains text models")
     print("refusals ok", flush=True)
 
 
@@ -241,6 +231,7 @@ def ringseq_run(args) -> None:
 
     import ringseq
     from ringseq.processes import exit_now
+    from ringseq.testing import assert_refused
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sp = ringseq.init(sp_size=args.sp_size or world)
@@ -263,7 +254,7 @@ def ringseq_run(args) -> None:
     # a sequence group is one process: per_device_train_batch_size x replicas completions per step (TRL would
     # count 4, one per process) do not make groups of 4
     settings = dict(per_device_train_batch_size=4 // world, gradient_accumulation_steps=1)
-    refused(lambda: make_trainer(sp, grpo_config(folder[0], **settings)),
+    assert_refused(lambda: make_trainer(sp, grpo_config(folder[0], **settings)),
             "does not split into groups of num_generations=4")
     print(f"rank {rank}: group refusals ok", flush=True)
     if rank == 0:

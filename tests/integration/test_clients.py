@@ -24,6 +24,7 @@ def run(cmd, scenarios, nproc, env=ENV):
     assert out.returncode == 0, text[-5000:]
     for name in scenarios:
         assert text.count(f": {name} ok:") == nproc, f"{name}:\n" + text[-5000:]
+    return text
 
 
 @pytest.fixture(scope="module")

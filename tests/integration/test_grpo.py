@@ -10,17 +10,14 @@ import pytest
 from ringseq.processes import free_port
 
 from .test_clients import DEEPSPEED, ENV, HERE, ROOT
+from .test_clients import run as run_launched
 
 SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "bf16"]
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu"]
 
 
 def run(cmd, scenarios, nproc, env=ENV):
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900, env=env)
-    text = out.stdout + out.stderr
-    assert out.returncode == 0, text[-5000:]
-    for name in scenarios:
-        assert text.count(f": {name} ok:") == nproc, f"{name}:\n" + text[-5000:]
+    text = run_launched(cmd, scenarios, nproc, env)
     assert text.count("group refusals ok") == nproc, text[-3000:]
 
 

@@ -6,16 +6,8 @@ from accelerate import Accelerator
 from transformers import TrainingArguments
 
 import ringseq
+from ringseq.testing import assert_refused as refused
 from trainer_step import samples, tiny_llama
-
-
-def refused(make, words):
-    try:
-        make()
-    except ringseq.RingSeqError as err:
-        assert words in str(err), err
-        return
-    raise AssertionError(f"not refused: {words}")
 
 
 def main():
