@@ -150,10 +150,10 @@ def _gather_object(sp, obj) -> list:
 def _share_rewards(sp, rewards: torch.Tensor) -> torch.Tensor:
     """Group rank 0's rewards on every rank of the group (bounded wait, agreed shapes)."""
     lockstep.agree(sp, "rewards", {"completions": rewards.size(0), "reward functions": rewards.size(1)})
-    t = rewards.detach().to("cpu", torch.float32).contiguous()
-    group = sp.check_group or sp.group
-    work = dist.broadcast(t, src=sp.ranks[0], group=group, async_op=True)
-    lockstep.wait(work, sp, "group rank 0's rewards", peer=sp.ranks[0], gloo=sp.check_group is not None or not sp.nccl)
+    gloo = sp.check_group is not None or not sp.nccl  # the lockstep group is gloo (host memory) when there is one
+    t = rewards.detach().to("cpu" if gloo else rewards.device, torch.float32).contiguous()
+    work = dist.broadcast(t, src=sp.ranks[0], group=sp.check_group or sp.group, async_op=True)
+    lockstep.wait(work, sp, "group rank 0's rewards", peer=sp.ranks[0], gloo=gloo)
     return t.to(rewards.device)
 
 

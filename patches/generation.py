@@ -5,8 +5,8 @@ What is patched, and why: ``patch`` sets the instance's ``generate`` to ``genera
 instance attribute, removed by ``unpatch``). It refuses what it cannot do exactly, hands
 transformers' own ``generate`` a ``ShardedCache`` (``patches.cache``), and makes sampling draw
 the same tokens on every rank (rank 0's random state, shared for the call and left advanced as
-the unpatched model leaves it; a rank that came with another state gets its own back). transformers then
-calls the patched forward with that cache, which lands in ``cached_forward``:
+the unpatched model leaves it; a rank that came with another state gets its own back).
+transformers then calls the patched forward with that cache, which lands in ``cached_forward``:
 
 - the prefill (the cache is empty): every rank has the whole prompt. It goes in with the
   layout's padding in front (masked, zero inputs), so the prompt's last token is the sequence's
@@ -120,8 +120,7 @@ def generate(self, *args, **kwargs):
     """``model.generate`` across the sequence group: call it on every rank with the same
     prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
     with group rank 0's random state and leaves it where the unpatched model would; a rank whose
-    own state differed gets it back, untouched, afterwards), left-padded
-    batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
+    own state differed gets it back, untouched, afterwards), left-padded batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
     assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
     (LoRA and other adapters inside the layers) generates through its inner model, which borrows
     the patched forward for the call."""

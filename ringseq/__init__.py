@@ -4,8 +4,8 @@ Public API (see README.md): ``init``, ``SequenceParallel``, ``ring_attention``, 
 ``gather``, ``shard_batch``, ``token_info``, ``loss.cross_entropy``, ``patch``, ``unpatch``,
 ``config``, ``stats`` (straggler report), ``resync`` (back in step after an error in a raw loop),
 ``plan`` (cost model), ``RingSeqError``; ``initialize`` (DeepSpeed), ``Trainer`` (HF Trainer),
-``SFTTrainer`` and ``GRPOTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator`` (Accelerate) import their
-third-party libraries on first use.
+``SFTTrainer`` and ``GRPOTrainer`` (TRL, the ``trl`` extra) and ``prepare_accelerator``
+(Accelerate) import their third-party libraries on first use.
 """
 from . import config, loss
 from .attention import ring_attention, token_info
@@ -20,9 +20,9 @@ from .topology import SequenceParallel, init
 
 __version__ = "0.1.0"
 
-__all__ = ["GRPOTrainer", "LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather", "init",
-           "initialize", "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync", "ring_attention",
-           "shard", "shard_batch", "stats", "token_info", "unpatch"]
+__all__ = ["GRPOTrainer", "LAYOUTS", "RingSeqError", "SFTTrainer", "SequenceParallel", "Trainer", "config", "gather",
+           "init", "initialize", "join_deepspeed", "loss", "patch", "plan", "prepare_accelerator", "resync",
+           "ring_attention", "shard", "shard_batch", "stats", "token_info", "unpatch"]
 
 
 def __getattr__(name):
