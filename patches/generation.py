@@ -120,8 +120,8 @@ def generate(self, *args, **kwargs):
     """``model.generate`` across the sequence group: call it on every rank with the same
     prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
     with group rank 0's random state and leaves it where the unpatched model would; a rank whose
-    own state differed gets it back, untouched, afterwards), left-padded batches, stopping criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search,
-    assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
+    own state differed gets it back, untouched, afterwards), left-padded batches, stopping
+    criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search, assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
     (LoRA and other adapters inside the layers) generates through its inner model, which borrows
     the patched forward for the call."""
     handle = self._ringseq_patch
