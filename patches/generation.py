@@ -121,9 +121,10 @@ def generate(self, *args, **kwargs):
     prompt; every rank returns the same tokens. Greedy decoding and sampling (every rank draws
     with group rank 0's random state and leaves it where the unpatched model would; a rank whose
     own state differed gets it back, untouched, afterwards), left-padded batches, stopping
-    criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search, assisted decoding, other caches and continuing from a given cache are refused. A PEFT model
-    (LoRA and other adapters inside the layers) generates through its inner model, which borrows
-    the patched forward for the call."""
+    criteria, ``return_dict_in_generate`` and ``output_scores``. Beam search, assisted decoding,
+    other caches and continuing from a given cache are refused. A PEFT model (LoRA and other
+    adapters inside the layers) generates through its inner model, which borrows the patched
+    forward for the call."""
     handle = self._ringseq_patch
     if handle.vision is not None:
         raise RingSeqError(VLM_CACHE)
