@@ -179,6 +179,10 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
         chosen = {} if isinstance(model, str) else options(model)
         if chosen:
             unpatch(model)  # TRL installs its fused head on the plain model; ringseq patches after it
+        if args.deepspeed:  # TRL wraps the reference model in its own DeepSpeed engine inside __init__, before
+            from .deepspeed_glue import join_deepspeed_comm  # the Trainer does: DeepSpeed must see the world
+
+            join_deepspeed_comm()
         with self._module_calls(seeding=True):
             super().__init__(model, reward_funcs, args, *rest, **kwargs)
         from ringseq.patches.fused_head import configure
@@ -197,7 +201,12 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
         from accelerate.utils import set_seed
 
         sp = self.sp
-        saved = {name: getattr(_trl_grpo, name) for name in ("gather", "gather_object", "set_seed")}
+        names = ("gather", "gather_object", "set_seed")
+        missing = [name for name in names if not hasattr(_trl_grpo, name)]
+        if missing:
+            raise RingSeqError(f"TRL {trl.__version__}'s GRPO module has no {missing}, which ringseq.GRPOTrainer makes "
+                               f"count replicas: install trl>={versions.RANGES['trl'][0]},<{versions.RANGES['trl'][1]}")
+        saved = {name: getattr(_trl_grpo, name) for name in names}
 
         def seed(value, device_specific=False, deterministic=False):
             set_seed(value + (sp.dp_rank if device_specific else 0), deterministic=deterministic)

@@ -41,7 +41,7 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 SCENARIOS = {
     "grpo": dict(loss_type="grpo", eval=True),
     "bnpo_ref": dict(loss_type="bnpo", beta=0.1, model_id=True),
-    "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True),
+    "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True, reward_model=True),
     "dapo_iterations": dict(loss_type="dapo", num_iterations=2, beta=0.05, model_id=True),
     "peft": dict(loss_type="grpo", beta=0.05, peft=True),
     "bf16": dict(loss_type="dapo", bf16=True),
@@ -61,6 +61,16 @@ def reward_two_words(completions, **kwargs):
     """Reward for naming w3 and w5, with a little for length (so a group's rewards differ)."""
     CALLS[0] += 1
     return [("w3" in c.split()) + ("w5" in c.split()) + 0.05 * len(c.split()) for c in completions]
+
+
+def reward_model():
+    """A tiny Llama scoring sequences (fp32 in every run: its rewards are data, like the function's)."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=len(WORDS) + 5, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, num_labels=1, pad_token_id=0)
+    return LlamaForSequenceClassification(config)
 
 
 def prompts(n: int, seed: int):
@@ -103,7 +113,7 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     import ringseq
 
     spec = SCENARIOS[name]
-    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval")}
+    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval", "reward_model")}
     bf16 = settings.pop("bf16", False) and dtype == torch.float32
     args = trl.GRPOConfig(
         output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -117,7 +127,10 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     else:
         model = tiny_llama(dtype)
     cls = recording(ringseq.GRPOTrainer if sp is not None else trl.GRPOTrainer)
-    trainer = cls(model=model, reward_funcs=reward_two_words, args=args, train_dataset=prompts(16, 1),
+    rewards = dict(reward_funcs=reward_two_words)
+    if spec.get("reward_model"):  # a model beside the function: TRL runs it on the prompt + completion texts
+        rewards = dict(reward_funcs=[reward_two_words, reward_model()], reward_processing_classes=[None, tokenizer()])
+    trainer = cls(model=model, args=args, train_dataset=prompts(16, 1), **rewards,
                   eval_dataset=prompts(2, 2) if spec.get("eval") else None,
                   processing_class=tokenizer(), peft_config=lora() if spec.get("peft") else None,
                   **({"sp": sp} if sp is not None else {}))
@@ -203,7 +216,8 @@ def check(name: str, got, ref, rank: int, group_rank: int) -> None:
     (plain_seen, plain_logged, plain_start, plain_end, plain_calls), (exact_seen, exact_logged, _, exact_end, _) = \
         ref["plain"], ref["exact"]
     where = f"rank {rank}: {name}"
-    once = plain_calls if group_rank == 0 else 0  # rewards once per group, on its rank 0
+    # rewards once per group, on its rank 0; with a reward model, on every rank (ZeRO-3 needs them all)
+    once = plain_calls if group_rank == 0 or SCENARIOS[name].get("reward_model") else 0
     assert calls == once, f"{where}: computed rewards {calls} times, not {once}"
     assert [k for k, _ in seen] == [k for k, _ in plain_seen], f"{where}: {[k for k, _ in seen]} passes"
     for i, ((kind, t), (_, p), (_, e)) in enumerate(zip(seen, plain_seen, exact_seen)):

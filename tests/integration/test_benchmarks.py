@@ -20,6 +20,7 @@ def bench(script, *args, out):
     return [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
 
 
+@pytest.mark.slow  # three process trees; ring attention against the reference is tested in tests/dist
 def test_attention_benchmark(tmp_path):
     # DeepSpeed's Ulysses (--impls ulysses) is left out here: its start alone costs half a minute of CI
     records = bench("attention.py", "--lengths", "1024", "--kv-heads", "2", "--reps", "1", "--impls", "ringseq",

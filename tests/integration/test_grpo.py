@@ -32,18 +32,20 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("nproc", [2, 4])
 def test_grpo_one_group_equals_one_trl_process(reference, nproc):
-    scenarios = SCENARIOS if nproc == 2 else ["dapo_iterations", "peft"]
+    scenarios = SCENARIOS if nproc == 2 else ["dapo_iterations"]
     run([*ACCELERATE, "--num_processes", str(nproc), "--main_process_port", str(free_port()),
          str(HERE / "grpo_step.py"), "ringseq", "--reference", reference, *scenarios], scenarios, nproc)
 
 
-def test_grpo_replicas_under_deepspeed_zero_2_and_3_equal_trl_data_parallel(tmp_path):
+@pytest.mark.parametrize("scenarios", [["bnpo_ref@3"], pytest.param(["grpo@2", "dapo_iterations@3"],
+                                                                      marks=pytest.mark.slow)])
+def test_grpo_replicas_under_deepspeed_zero_equal_trl_data_parallel(tmp_path, scenarios):
     path = str(tmp_path / "replicas.pt")
     out = subprocess.run([*ACCELERATE, "--num_processes", "2", "--main_process_port", str(free_port()),
-                          str(HERE / "grpo_step.py"), "reference", "--out", path, "grpo", "bnpo_ref"],
+                          str(HERE / "grpo_step.py"), "reference", "--out", path,
+                          *(s.partition("@")[0] for s in scenarios)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=ENV)
     assert out.returncode == 0, (out.stdout + out.stderr)[-5000:]
-    scenarios = ["grpo@2", "bnpo_ref@3"]
     run([DEEPSPEED, "--num_gpus", "4", "--master_port", str(free_port()), str(HERE / "grpo_step.py"), "ringseq",
          "--sp-size", "2", "--reference", path + ".replica{replica}", *scenarios], scenarios, 4,
         env={**ENV, "OMP_NUM_THREADS": "1"})
