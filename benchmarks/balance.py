@@ -9,10 +9,17 @@ work of a rank is the visible query-key pairs of its queries under causal attent
 documents (``ringseq.attention.work``, what ``ringseq.stats`` reports); the slowest rank sets the
 step, so the figure is the busiest rank's work over the mean, per row, averaged over ``--rows``
 rows. No process group: the counts follow from the rows alone. Prints JSON lines, writes
-``balance.jsonl`` and ``balance.png``. Usage::
+``balance.jsonl`` and ``balance.png``.
+
+``--step-N N`` also times what the imbalance costs: a patched tiny Llama (2 layers, hidden 256,
+4 heads of 64) takes a forward and backward step on the first packed row of N tokens of each mix,
+under each of ``--step-layouts`` at each P (a fresh process tree each, one thread per rank;
+median of ``--reps`` steps of the slowest rank), reported beside that row's work ratio and as a
+ratio to zigzag's step (``step_over_zigzag``); written to ``balance_step.jsonl``. Usage::
 
     python benchmarks/balance.py                         # N = 32768; P = 2, 4, 8; 16 rows per mix
     python benchmarks/balance.py --N 131072 --sizes 4 --rows 4
+    python benchmarks/balance.py --sizes 2 4 --step-N 8192 --reps 3
 """
 from __future__ import annotations
 
@@ -23,6 +30,7 @@ import re
 import sys
 
 import torch
+import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import common  # noqa: E402
@@ -75,6 +83,47 @@ def measure(mix: str, N: int, P: int, layout: str, rows: int, seed: int) -> dict
                 worst_row=round(max(ratios), 4), documents_per_row=round(sum(docs) / rows, 1))
 
 
+def _step(mix: str, N: int, layout: str, reps: int, seed: int) -> dict:
+    """In a process tree of P: a patched tiny Llama's step on the first packed row of ``mix``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ringseq
+    from ringseq.attention.masks import TokenInfo, documents
+    from ringseq.attention.work import per_rank
+
+    P = dist.get_world_size()
+    pos = packed_positions(N, histogram(os.path.join(DATA, f"{mix}.json")), torch.Generator().manual_seed(seed))[None]
+    work = per_rank(TokenInfo(doc=documents(pos)), layout, N, P)
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=N, use_cache=False)
+    model = ringseq.patch(LlamaForCausalLM(config), sp=ringseq.init(sp_size=P, layout=layout))
+    ids = torch.randint(0, 64, (1, N), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids, "position_ids": pos}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(**batch).loss.backward()
+
+    step()  # warm
+    return dict(mix=mix, N=N, P=P, layout=layout, step_ms=round(common.timed_ms(step, reps), 1),
+                work_max_over_mean=round(max(work) / (sum(work) / P), 4))
+
+
+def steps(args, path: str) -> list[dict]:
+    records = []
+    for mix in MIXES:
+        for P in args.sizes:
+            rows = [common.run_tree(_step, P, 1, mix, args.step_N, layout, args.reps, args.seed)
+                    for layout in args.step_layouts]
+            for r in rows:
+                r["step_over_zigzag"] = round(r["step_ms"] / next(x["step_ms"] for x in rows
+                                                                if x["layout"] == "zigzag"), 3)
+                records.append(r)
+                common.emit(r, path)
+    return records
+
+
 def plot(records, path):
     import matplotlib
 
@@ -100,6 +149,9 @@ def main(argv=None):
     p.add_argument("--sizes", type=int, nargs="*", default=[2, 4, 8])
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--step-N", type=int, default=None, help="also time a patched tiny Llama's step on rows of this N")
+    p.add_argument("--step-layouts", nargs="*", default=["zigzag", "striped"], choices=LAYOUTS)
+    p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=common.RESULTS)
     args = p.parse_args(argv)
     jsonl = common.fresh_file(args.out, "balance.jsonl")
@@ -110,6 +162,10 @@ def main(argv=None):
                 records.append(measure(mix, args.N, P, layout, args.rows, args.seed))
                 common.emit(records[-1], jsonl)
     plot(records, os.path.join(args.out, "balance.png"))
+    if args.step_N:
+        if "zigzag" not in args.step_layouts:
+            p.error("--step-layouts needs zigzag (the steps are reported as ratios to it)")
+        steps(args, common.fresh_file(args.out, "balance_step.jsonl"))
 
 
 if __name__ == "__main__":

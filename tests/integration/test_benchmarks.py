@@ -139,3 +139,15 @@ def test_balance_benchmark(tmp_path):
         for lay in ("zigzag", "contiguous", "striped")}
     assert all(r["max_over_mean"] >= 1.0 and r["documents_per_row"] > 1 for r in records)
     assert (tmp_path / "balance.png").exists()
+
+
+@pytest.mark.slow  # a process tree per mix and layout
+def test_balance_benchmark_times_the_steps(tmp_path):
+    records = bench("balance.py", "--N", "4096", "--sizes", "2", "--rows", "1", "--step-N", "1024", "--reps", "1",
+                    out=tmp_path)
+    steps = [r for r in records if "step_ms" in r]
+    assert {(r["mix"], r["layout"]) for r in steps} == {
+        (m, lay) for m in ("pile", "prolong64k", "prolong512k") for lay in ("zigzag", "striped")}
+    assert all(r["step_ms"] > 0 and r["work_max_over_mean"] >= 1.0 for r in steps)
+    assert all(r["step_over_zigzag"] == 1.0 for r in steps if r["layout"] == "zigzag")
+    assert (tmp_path / "balance_step.jsonl").exists()
