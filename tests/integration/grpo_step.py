@@ -10,8 +10,8 @@ Data-parallel replicas: ``reference`` under ``accelerate launch`` runs TRL's own
 parallelism (ref.pt.replicaR per process) and ``ringseq --sp-size 2 --reference
 'ref.pt.replica{replica}'`` on twice the processes checks each replica against TRL's process.
 
-Each scenario trains a tiny Llama two optimizer steps (two micro-batches each) on long prompts
-of words, with a reward for naming two words. Every rank checks, per scenario: the prompts and
+Each scenario trains a tiny Llama two optimizer steps (two micro-batches each) on prompts of 24-72
+words, with a reward for naming two words. Every rank checks, per scenario: the prompts and
 completions of every generation equal the plain run's token for token (same seed: a sequence
 group acts as one TRL process); every per-token log-prob and entropy TRL computed (old policy,
 reference, policy) by the 2x rule against the float64 run; the logged metrics (rewards and
