@@ -151,6 +151,7 @@ def test_the_vlm_example_trains_and_matches_unpatched():
     assert "kinds named right: " in run.stdout, run.stdout[-2000:]
 
 
+@pytest.mark.slow  # its trainer is tested step for step against TRL in test_grpo
 def test_the_grpo_example_trains_and_draws_its_rewards(tmp_path):
     out, plot = tmp_path / "rewards.json", tmp_path / "rewards.png"
     run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/grpo_retrieval.py", "--steps", "2",
