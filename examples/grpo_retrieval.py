@@ -12,7 +12,7 @@ prefilled through the ring), scores the completions once per group and trains on
 sequences; TRL's loss, logging and optimizer step are its own. Rank 0 writes the mean reward of
 every step to ``--out`` (a JSON list) and draws it (``--plot``, with matplotlib). With the
 defaults (100 steps, 514-token sequences over 2 ranks, about 2.5 minutes on two CPU cores) the
-reward rises from about 0.05 to about 0.75 (docs/grpo_retrieval.png).
+reward rises from about 0.07 to about 0.70 (docs/grpo_retrieval.png).
 """
 import argparse
 import json
