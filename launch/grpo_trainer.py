@@ -52,7 +52,7 @@ from trl.trainer import grpo_trainer as _trl_grpo  # noqa: E402  (after the vers
 logger = logging.getLogger(__name__)
 
 
-def _refuse(args, model, kwargs: dict) -> None:
+def _refuse(args, kwargs: dict) -> None:
     check_arguments(args, {})
     if args.use_vllm:
         raise RingSeqError("ringseq.GRPOTrainer generates with the patched model (the prompt prefilled through the "
@@ -69,6 +69,9 @@ def _refuse(args, model, kwargs: dict) -> None:
             raise RingSeqError(f"ringseq.GRPOTrainer does not take {name}: it would run once on every rank of a "
                                f"sequence group; train agentic rollouts with trl.GRPOTrainer (without sequence "
                                f"parallelism), or score completions with reward_funcs")
+
+
+def _refuse_model(model) -> None:
     config = getattr(model, "config", None)
     if config is not None and config.get_text_config() is not config:
         raise RingSeqError("ringseq.GRPOTrainer trains text models: a patched vision-language model does not generate "
@@ -120,7 +123,7 @@ class _ReplicaView:
         return self._sp.dp_rank
 
     def gather(self, tensor):
-        return _gather_replicas(self._sp, tensor) if self._sp.dp_size > 1 else _flat(tensor)
+        return _gather(self._sp, tensor)
 
     def reduce(self, tensor, reduction: str = "sum", scale: float = 1.0):
         out = tensor.clone()
@@ -129,12 +132,16 @@ class _ReplicaView:
         if reduction == "mean":
             out = out / self._sp.dp_size
         elif reduction != "sum":
-            raise RingSeqError(f"reduce(reduction={reduction!r}) is not one GRPO uses")
+            raise RingSeqError(f"this TRL reduces with {reduction!r} while ringseq counts replicas; ringseq supports "
+                               f"'sum' and 'mean': install trl>={versions.RANGES['trl'][0]},"
+                               f"<{versions.RANGES['trl'][1]}")
         return out * scale
 
 
-def _flat(tensor):
-    """What ``gather`` returns in one process: the tensor, a scalar as one element."""
+def _gather(sp, tensor):
+    """accelerate's ``gather`` over the replicas (in one replica: the tensor, a scalar as one element)."""
+    if sp.dp_size > 1:
+        return _gather_replicas(sp, tensor)
     return tensor[None] if tensor.dim() == 0 else tensor
 
 
@@ -174,7 +181,8 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
         if args is None:  # TRL's default, made here so that its batch sizes can count replicas
             name = model if isinstance(model, str) else model.config._name_or_path
             args = trl.GRPOConfig(f"{str(name).split('/')[-1] or 'model'}-GRPO")
-        _refuse(args, None if isinstance(model, str) else model, kwargs)
+        _refuse(args, kwargs)
+        _refuse_model(None if isinstance(model, str) else model)
         _replica_batches(args, self.sp)
         chosen = {} if isinstance(model, str) else options(model)
         if chosen:
@@ -189,7 +197,7 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
 
         head = dict(temperature=self.temperature, cast_lm_head_to_fp32=args.cast_lm_head_to_fp32)
         base = self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
-        _refuse(args, base, {})
+        _refuse_model(base)  # a model TRL loaded from an id
         configure(patch(base, sp=self.sp, **chosen), **head)
         if self.ref_model is not None:
             configure(patch(self.accelerator.unwrap_model(self.ref_model), sp=self.sp, **chosen), **head)
@@ -211,7 +219,7 @@ class GRPOTrainer(SequenceParallelMixin, trl.GRPOTrainer):
         def seed(value, device_specific=False, deterministic=False):
             set_seed(value + (sp.dp_rank if device_specific else 0), deterministic=deterministic)
 
-        _trl_grpo.gather = lambda tensor: _gather_replicas(sp, tensor) if sp.dp_size > 1 else _flat(tensor)
+        _trl_grpo.gather = lambda tensor: _gather(sp, tensor)
         _trl_grpo.gather_object = lambda obj: _gather_object(sp, obj)
         if seeding:
             _trl_grpo.set_seed = seed
