@@ -8,7 +8,9 @@ of a row cut at N, documents apart as position ids restarting at 0. For each lay
 work of a rank is the visible query-key pairs of its queries under causal attention inside the
 documents (``ringseq.attention.work``, what ``ringseq.stats`` reports); the slowest rank sets the
 step, so the figure is the busiest rank's work over the mean, per row, averaged over ``--rows``
-rows. No process group: the counts follow from the rows alone. Prints JSON lines, writes
+rows. ``balanced`` is what ``shard_batch`` and a patched model do by default under the zigzag
+layout (``ringseq.balance``: each row gets a layout of its own, by work); ``zigzag`` is plain
+zigzag (``balance=False``). No process group: the counts follow from the rows alone. Prints JSON lines, writes
 ``balance.jsonl`` and ``balance.png``.
 
 ``--step-N N`` also times what the imbalance costs: a patched tiny Llama (2 layers, hidden 256,
@@ -37,7 +39,16 @@ import common  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "doc_lengths")  # a copy of shared/data/doc_lengths
 MIXES = ("pile", "prolong64k", "prolong512k")
-LAYOUTS = ("zigzag", "contiguous", "striped")
+LAYOUTS = ("balanced", "zigzag", "contiguous", "striped")
+"""``balanced``: what ``shard_batch`` does by default under zigzag (``ringseq.balance``: the
+row's own layout, by work); ``zigzag``: plain zigzag (``shard_batch(..., balance=False)``)."""
+
+
+def layout_of(layout: str, info, N: int, P: int):
+    """The layout a row gets: ``balanced`` is the row's own (``ringseq.balance``)."""
+    from ringseq.balance import balanced
+
+    return balanced(info, N, P) if layout == "balanced" else layout
 
 
 def histogram(path: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -77,7 +88,8 @@ def measure(mix: str, N: int, P: int, layout: str, rows: int, seed: int) -> dict
         pos = packed_positions(N, hist, g)[None]
         doc = documents(pos)
         docs.append(int(doc.max()) + 1)
-        work = per_rank(TokenInfo(doc=doc), layout, N, P)
+        info = TokenInfo(doc=doc)
+        work = per_rank(info, layout_of(layout, info, N, P), N, P)
         ratios.append(max(work) / (sum(work) / P))
     return dict(mix=mix, N=N, P=P, layout=layout, rows=rows, max_over_mean=round(sum(ratios) / rows, 4),
                 worst_row=round(max(ratios), 4), documents_per_row=round(sum(docs) / rows, 1))
@@ -93,17 +105,19 @@ def _step(mix: str, N: int, layout: str, reps: int, seed: int) -> dict:
 
     P = dist.get_world_size()
     pos = packed_positions(N, histogram(os.path.join(DATA, f"{mix}.json")), torch.Generator().manual_seed(seed))[None]
-    work = per_rank(TokenInfo(doc=documents(pos)), layout, N, P)
+    info = TokenInfo(doc=documents(pos))
+    work = per_rank(info, layout_of(layout, info, N, P), N, P)
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=N, use_cache=False)
-    model = ringseq.patch(LlamaForCausalLM(config), sp=ringseq.init(sp_size=P, layout=layout))
+    sp = ringseq.init(sp_size=P, layout="zigzag" if layout == "balanced" else layout)
+    model = ringseq.patch(LlamaForCausalLM(config), sp=sp)
     ids = torch.randint(0, 64, (1, N), generator=torch.Generator().manual_seed(1))
     batch = {"input_ids": ids, "labels": ids, "position_ids": pos}
 
-    def step():
+    def step():  # sharding included: the balanced layout is made per batch
         model.zero_grad(set_to_none=True)
-        model(**batch).loss.backward()
+        model(**ringseq.shard_batch(batch, sp=sp, balance=layout == "balanced")).loss.backward()
 
     step()  # warm
     return dict(mix=mix, N=N, P=P, layout=layout, step_ms=round(common.timed_ms(step, reps), 1),
@@ -135,7 +149,7 @@ def plot(records, path):
     for ax, P in zip(axes[0], sizes):
         for k, layout in enumerate(LAYOUTS):
             rows = [next(r for r in records if r["P"] == P and r["layout"] == layout and r["mix"] == m) for m in MIXES]
-            ax.bar([i + 0.27 * (k - 1) for i in range(len(MIXES))], [r["max_over_mean"] for r in rows], 0.27,
+            ax.bar([i + 0.2 * (k - 1.5) for i in range(len(MIXES))], [r["max_over_mean"] for r in rows], 0.2,
                    label=layout)
         ax.axhline(1.05, color="grey", ls=":", label="5% over the mean")
         ax.set_xticks(range(len(MIXES)), MIXES)
@@ -150,7 +164,7 @@ def main(argv=None):
     p.add_argument("--rows", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--step-N", type=int, default=None, help="also time a patched tiny Llama's step on rows of this N")
-    p.add_argument("--step-layouts", nargs="*", default=["zigzag", "striped"], choices=LAYOUTS)
+    p.add_argument("--step-layouts", nargs="*", default=["balanced", "zigzag", "striped"], choices=LAYOUTS)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", default=common.RESULTS)
     args = p.parse_args(argv)

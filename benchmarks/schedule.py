@@ -9,6 +9,7 @@ forward, once per batch (the layers reuse it). Packed documents have random leng
 ``plan_ms`` (median over ``--reps``) and draws ``benchmarks/results/schedule.png``. Usage::
 
     python benchmarks/schedule.py --P 64 --S 1048576 --docs 1000     # one line, plan_ms
+    python benchmarks/schedule.py --P 64 --S 1048576 --docs 1000 --layout balanced --mix prolong512k
     python benchmarks/schedule.py                                     # the sweep and its plot
 """
 from __future__ import annotations
@@ -37,12 +38,18 @@ def packed_positions(S: int, docs: int, seed: int = 0) -> torch.Tensor:
 
 
 def plan_once(layout: str, S: int, P: int, rank: int, pos: torch.Tensor, window: int | None) -> float:
+    """Milliseconds to plan; ``balanced``: the row's own layout made first (``ringseq.balance``,
+    what ``shard_batch`` does under zigzag), its making counted in."""
     from ringseq.attention.masks import TokenInfo, documents
     from ringseq.attention.schedule import rank_schedule
+    from ringseq.balance import balanced
 
     start = time.perf_counter()
     doc = documents(pos)
     info = TokenInfo(doc=doc if bool(doc.any()) else None)
+    if layout == "balanced":
+        layout = balanced(info, S, P)
+        info = TokenInfo(doc=info.doc, layout=None if layout == "zigzag" else layout)
     plan = rank_schedule(layout, S, P, rank, True, info, window)
     if info.doc is not None or window is not None:
         assert plan.steps >= 1 and len(plan.calls) == plan.steps

@@ -43,14 +43,14 @@ def _drop_packing_metadata(kwargs: dict, position_ids, recurrent: bool) -> None:
 
 
 def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
-           ringseq, counted: bool) -> tuple[dict, ShardedBatch]:
+           ringseq, counted: bool, balance: bool) -> tuple[dict, ShardedBatch]:
     """This rank's inputs and the batch's facts: sharded here from the full batch, or as
     ``ringseq.shard_batch`` made them (its ``labels`` are then already shifted)."""
     if ringseq is None:
         full = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                 "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
         return sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
-                       documents_apart=handle.documents_apart)
+                       documents_apart=handle.documents_apart, balance=balance)
     if not isinstance(ringseq, ShardedBatch):
         raise RingSeqError(f"ringseq= must be what ringseq.shard_batch put in the batch, got {type(ringseq).__name__}")
     if labels is not None and shift_labels is not None:
@@ -95,6 +95,7 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                               logits_to_keep, kwargs)
     _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
+    balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)
     router = _router(self, handle, kwargs)
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
@@ -106,10 +107,11 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                 padding = None
                 out, batch = vision.run(self, handle, input_ids=input_ids, inputs_embeds=inputs_embeds,
                                         attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                                        shift_labels=shift_labels, kwargs=kwargs)
+                                        shift_labels=shift_labels, kwargs=kwargs, balance=balance)
             else:
                 local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
-                                      shift_labels, ringseq, counted=num_items_in_batch is not None)
+                                      shift_labels, ringseq, counted=num_items_in_batch is not None,
+                                      balance=balance)
                 padding = local.get("attention_mask")
                 if handle.recurrent and padding is not None:
                     kwargs["attention_mask"] = padding  # recurrent layers zero padding with this rank's shard
@@ -148,6 +150,20 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         loss = loss + router.coef * aux.to(loss.dtype)
     # this rank's router logits are in the layout's token order and of its tokens only: not returned
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux.float(), logits=logits, hidden_states=out.hidden_states)
+
+
+def _balance(model, handle, labelled: bool, fused_lm_head: bool, logits_fn, kwargs: dict) -> bool:
+    """Whether a full batch's packed documents may be laid out by work (``ringseq.balance``): only
+    when nothing of this rank's tokens leaves the forward in their local order, so that
+    ``ringseq.gather(out.logits, 1, sp=sp)`` stays right. The loss, TRL's fused head and
+    ``logits_fn`` put what they return in global order themselves; returned logits (no labels,
+    ``chunked_loss=False``) and hidden states keep the group's layout."""
+    hidden = kwargs.get("output_hidden_states")
+    if hidden is None:
+        hidden = getattr(model.config, "output_hidden_states", False)
+    if hidden:
+        return False
+    return fused_lm_head or logits_fn is not None or (labelled and handle.chunked_loss)
 
 
 def _router(model, handle, kwargs: dict):

@@ -250,7 +250,7 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
     S = tokens.size(1)
     pad = -S % multiple(sp.layout, sp.ring_size, sp.ulysses_size)
     full = _full_prompt(input_ids, inputs_embeds, attention_mask, position_ids, pad)
-    local, batch = sharded(full, sp=sp, documents_apart=handle.documents_apart)
+    local, batch = sharded(full, sp=sp, documents_apart=handle.documents_apart, balance=False)  # the cache's order
     cache.begin_prefill(batch, full["attention_mask"], offset=pad)
     if handle.recurrent:
         kwargs["attention_mask"] = local["attention_mask"]

@@ -117,18 +117,16 @@ def check_same_inputs(inputs: dict, sp) -> None:
         check_same_batch(inputs, sp, keys=keys[first:first + 10])
 
 
-def _deepstack(full_mask, embeds, sp, pad: int):
+def _deepstack(full_mask, embeds, batch):
     """Qwen3-VL's visual token places and per-layer features for this rank's tokens: the mask is
-    sharded like the tokens, the features are the rows of the image tokens this rank holds, in
-    its local order (the order in which the language model reads them)."""
-    from ringseq.sharding import shard
-
-    mask = torch.nn.functional.pad(full_mask.bool(), (0, pad), value=False)
-    local_mask = shard(mask, 1, sp=sp)
+    sharded like the tokens (``batch``: their ``ShardedBatch``), the features are the rows of the
+    image tokens this rank holds, in its local order (the order in which the language model reads them)."""
+    mask = torch.nn.functional.pad(full_mask.bool(), (0, batch.pad), value=False)
+    local_mask = batch.shard(mask, 1)
     if not embeds:
         return local_mask, embeds
     order = (mask.flatten().cumsum(0) - 1).reshape(mask.shape)  # row of each image token in the features
-    rows = shard(order, 1, sp=sp)[local_mask].to(embeds[0].device)
+    rows = batch.shard(order, 1)[local_mask].to(embeds[0].device)
     return local_mask, [e.index_select(0, rows) for e in embeds]
 
 
@@ -160,9 +158,10 @@ def _intercepted(lm, run):
             lm.forward = before
 
 
-def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs):
-    """The VLM's own forward on the full batch, its language model on this rank's shard.
-    Returns (the language model's output on this rank's tokens, the ``ShardedBatch``)."""
+def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs,
+        balance: bool = False):
+    """The VLM's own forward on the full batch, its language model on this rank's shard
+    (``balance``: packed documents laid out by work, ``ringseq.balance``). Returns (the language model's output on this rank's tokens, the ``ShardedBatch``)."""
     base, lm = multimodal_model(model)
     inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
     # the inputs are agreed on, not the merged embeddings: a vision tower need not be bitwise alike on every rank
@@ -184,10 +183,11 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
                 "shift_labels": shift_labels, "attention_mask": padding}
         local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
-                               documents_apart=handle.documents_apart, blocks=blocks, agreed=True)
+                               documents_apart=handle.documents_apart, blocks=blocks, agreed=True,
+                               balance=balance)
         if lm_kwargs.get("visual_pos_masks") is not None:
             lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
-                lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), handle.sp, batch.pad)
+                lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), batch)
         if handle.recurrent and local.get("attention_mask") is not None:
             lm_kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this shard
         seen["ringseq"] = batch

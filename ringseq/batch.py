@@ -17,11 +17,12 @@ import torch
 from . import lockstep
 from .attention.masks import TokenInfo, documents
 from .attention.work import per_rank
+from .balance import balanced
 from .errors import RingSeqError
 from .layouts import multiple, sp_positions
 from .lockstep import checksum, dtype_code
 from .loss import IGNORE
-from .sharding import gather, shard
+from .sharding import gather, shard_tensor
 from .topology import check_sp
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
@@ -55,29 +56,46 @@ class ShardedBatch:
     function reads next to the logits of the same tokens."""
     attention_mask: torch.Tensor | None = None
     """This rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero padding with)."""
+    layout: object = None
+    """Where this batch's tokens live: the group's layout name, or the batch's own
+    ``ringseq.layouts.Runs`` (packed documents balanced by work, ``ringseq.balance``); None: the
+    group's layout."""
 
     @property
     def padded_length(self) -> int:
         return self.length + self.pad
 
+    @property
+    def order(self):
+        """The layout this batch was sharded by (a name or a ``Runs``)."""
+        return self.sp.layout if self.layout is None else self.layout
+
     def positions(self) -> torch.Tensor:
         """Global indices (int64 [s]) of this rank's tokens, in local order."""
         sp = self.sp
-        return sp_positions(sp.layout, self.padded_length, sp.ring_size, sp.ulysses_size, sp.rank)
+        return sp_positions(self.order, self.padded_length, sp.ring_size, sp.ulysses_size, sp.rank)
+
+    def shard(self, full: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A tensor of the whole (padded) batch -> this rank's tokens along ``dim``, in this batch's
+        order (what ``ringseq.shard`` is for the group's layout)."""
+        sp = self.sp
+        return shard_tensor(full, dim, self.order, sp.ring_size, sp.rank, sp.ulysses_size)
 
     def gather(self, local: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """Token-wise results of this rank (``local``, tokens along ``dim``) -> those of the whole
-        batch in global order, the layout's padding cut (differentiable: ``ringseq.gather``)."""
-        full = gather(local, dim, sp=self.sp)
+        batch in global order, the layout's padding cut (differentiable: ``ringseq.gather`` in
+        this batch's order)."""
+        full = gather(local, dim, sp=self.sp, layout=self.order)
         return full.narrow(dim, 0, self.length)
 
     def apart(self, documents_apart: bool) -> "ShardedBatch":
         """This batch for a model that keeps packed documents apart or not (the one place where
-        that decides what attention sees)."""
+        that decides what attention sees; the tokens stay where they are)."""
         doc = self.documents if documents_apart else None
         if doc is self.info.doc:
             return self
-        return dataclasses.replace(self, info=TokenInfo(doc=doc, valid=self.info.valid, block=self.info.block))
+        info = TokenInfo(doc=doc, valid=self.info.valid, block=self.info.block, layout=self.info.layout)
+        return dataclasses.replace(self, info=info)
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:
@@ -200,7 +218,7 @@ def check_batch(batch: dict) -> None:
                            f"[R, {B}, {S}]); got {pos.dtype} {tuple(pos.shape)}")
 
 
-def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
+def shard_batch(batch: dict, *, sp, documents_apart: bool = True, balance: bool = True) -> dict:
     """Full batch (every rank of the sequence group holds the same one) -> this rank's shard.
 
     Takes ``input_ids`` or ``inputs_embeds`` and optionally ``attention_mask``,
@@ -217,16 +235,26 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True) -> dict:
     says by how much): the real tokens' results are exact, and gathered per-token outputs have
     the padded length (the first S are the real tokens). Raises ``RingSeqError`` when the ranks
     of the group were given different batches (checked by one all-gather of a fixed-size record, ``ringseq.lockstep``).
+
+    Under the zigzag layout a batch of packed documents (kept apart) is laid out by work
+    (``balance``, default; ``ringseq.balance``): every rank gets about the same attention work,
+    as a few contiguous runs of tokens. Its tokens are then not where ``ringseq.shard`` puts
+    them: put per-token results in order with ``local["ringseq"].gather(x, dim)``, shard more
+    tensors of the batch with ``local["ringseq"].shard(full, dim)``, and give ``ring_attention``
+    ``token_info=local["ringseq"].info``, which carries the layout. ``balance=False`` keeps plain
+    zigzag.
     """
-    local, _ = sharded(batch, sp=sp, documents_apart=documents_apart)
+    local, _ = sharded(batch, sp=sp, documents_apart=documents_apart, balance=balance)
     return local
 
 
-def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: bool = False) -> tuple[dict, ShardedBatch]:
+def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: bool = False,
+            balance: bool = True) -> tuple[dict, ShardedBatch]:
     """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``). ``blocks``: [B, S]
     bidirectional block ids of the full batch (-1: none; ``ringseq.attention.masks``). ``agreed``:
     the caller has checked that the ranks hold the same inputs this batch was made from (a VLM's
-    merged embeddings), so their contents are not compared again, only their shapes."""
+    merged embeddings), so their contents are not compared again, only their shapes. ``balance``:
+    lay packed documents out by work (zigzag layout only; ``shard_batch``)."""
     check_sp(sp)
     if not isinstance(batch, Mapping):
         raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
@@ -254,17 +282,23 @@ def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: boo
     if blocks is not None:
         blocks = torch.nn.functional.pad(blocks.reshape(-1, S).expand(B, S), (0, pad), value=-1)
     info = full_token_info(batch["position_ids"], batch.get("attention_mask"), blocks)
-    local = {"position_ids": shard(batch["position_ids"], -1, sp=sp)}
+    layout = sp.layout
+    if balance and layout == "zigzag" and documents_apart:
+        layout = balanced(info, S + pad, sp.ring_size)
+        if layout != "zigzag":
+            info = TokenInfo(doc=info.doc, valid=info.valid, block=info.block, layout=layout)
+    where = ShardedBatch(sp=sp, length=S, pad=pad, info=info, layout=layout)
+    local = {"position_ids": where.shard(batch["position_ids"], -1)}
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         if key in batch:
-            local[key] = shard(batch[key], 1, sp=sp)
+            local[key] = where.shard(batch[key], 1)
     if targets is not None:
-        local["labels"] = shard(batch["shift_labels"], 1, sp=sp)
-    facts = ShardedBatch(
-        sp=sp, length=S, pad=pad, info=info, documents=info.doc,
+        local["labels"] = where.shard(batch["shift_labels"], 1)
+    facts = dataclasses.replace(
+        where, documents=info.doc,
         count=None if targets is None else (targets != IGNORE).sum(),  # the whole batch is here: no communication
         labels=local.get("labels"), attention_mask=local.get("attention_mask"),
-        raw_labels=None if raw is None else shard(torch.nn.functional.pad(raw, (0, pad), value=IGNORE), 1, sp=sp))
+        raw_labels=None if raw is None else where.shard(torch.nn.functional.pad(raw, (0, pad), value=IGNORE), 1))
     facts = facts.apart(documents_apart)
     _count_work(facts)
     local["ringseq"] = facts
@@ -278,6 +312,6 @@ def _count_work(facts: ShardedBatch) -> None:
     sp = facts.sp
     if not getattr(sp, "stats", True):
         return
-    pairs = per_rank(facts.info, sp.layout, facts.padded_length, sp.ring_size)
+    pairs = per_rank(facts.info, facts.order, facts.padded_length, sp.ring_size)
     st = lockstep.state(sp)
     st.work = pairs if st.work is None else [a + b for a, b in zip(st.work, pairs)]

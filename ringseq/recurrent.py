@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from . import lockstep
 from .errors import RingSeqError
-from .layouts import sp_positions
+from .layouts import Runs, sp_positions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,13 +48,23 @@ def _runs_of(positions: torch.Tensor, rank: int) -> list[Run]:
     return [Run(rank, a, int(positions[a]), b - a) for a, b in zip(edges, edges[1:])]
 
 
-@functools.lru_cache(maxsize=64)
-def runs(layout: str, S: int, P: int, U: int) -> tuple[tuple[Run, ...], ...]:
+def runs(layout, S: int, P: int, U: int) -> tuple[tuple[Run, ...], ...]:
     """Every sequence rank's runs (in its local order), for a padded length S."""
+    if isinstance(layout, Runs):  # a batch's own layout keeps them on itself
+        return layout._memo(("recurrent runs", U), lambda: _every_run(layout, S, P, U))
+    return _static_runs(layout, S, P, U)
+
+
+@functools.lru_cache(maxsize=64)
+def _static_runs(layout: str, S: int, P: int, U: int) -> tuple[tuple[Run, ...], ...]:
     if layout == "striped":
         raise RingSeqError("recurrent layers (linear attention, state-space, short convolutions) run a sequence "
                            "in order: the striped layout gives every rank every P-th token, so no rank holds a run. "
                            "Use layout='zigzag' (default) or 'contiguous'")
+    return _every_run(layout, S, P, U)
+
+
+def _every_run(layout, S: int, P: int, U: int) -> tuple[tuple[Run, ...], ...]:
     return tuple(tuple(_runs_of(sp_positions(layout, S, P, U, r), r)) for r in range(P * U))
 
 
@@ -120,7 +130,7 @@ def gather_summed(local: torch.Tensor, sp, kind: str) -> torch.Tensor:
 
 def _my_runs(batch) -> tuple[list[Run], tuple[tuple[Run, ...], ...]]:
     sp = batch.sp
-    every = runs(sp.layout, batch.padded_length, sp.ring_size, sp.ulysses_size)
+    every = runs(batch.order, batch.padded_length, sp.ring_size, sp.ulysses_size)
     return list(every[sp.rank]), every
 
 

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from . import lockstep
 from .errors import RingSeqError
-from .layouts import check_length, gather_order, segments, sp_positions
+from .layouts import check_length, gather_order, layout_code, segments, sp_positions
 from .topology import check_sp
 
 
@@ -58,8 +58,8 @@ class _Gather(torch.autograd.Function):
     """Forward: all-gather over the sequence group. Backward: keep this rank's slice."""
 
     @staticmethod
-    def forward(ctx, local, dim, sp):
-        layout, P, U, r = sp.layout, sp.ring_size, sp.ulysses_size, sp.rank
+    def forward(ctx, local, dim, sp, layout):
+        P, U, r = sp.ring_size, sp.ulysses_size, sp.rank
         ctx.meta = (dim, layout, P, r, U)
         S = local.size(dim) * P * U
         joined = _all_gather(local, dim, sp)
@@ -68,7 +68,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dim, layout, P, r, U = ctx.meta
-        return shard_tensor(grad, dim, layout, P, r, U), None, None
+        return shard_tensor(grad, dim, layout, P, r, U), None, None, None
 
 
 def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
@@ -80,13 +80,15 @@ def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:
     return shard_tensor(x, _dim(x, dim), sp.layout, sp.ring_size, sp.rank, sp.ulysses_size)
 
 
-def gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
-    """This rank's slice -> the full tensor, in global order (inverse of ``shard``)."""
+def gather(local: torch.Tensor, dim: int, sp, layout=None) -> torch.Tensor:
+    """This rank's slice -> the full tensor, in global order (inverse of ``shard``). ``layout``:
+    a batch's own (``ShardedBatch.order``) instead of ``sp.layout``; ``ShardedBatch.gather`` passes it."""
     check_sp(sp)
     dim = _dim(local, dim)
     if sp.size == 1:
         return local
     shape = (list(local.shape) + [-1] * 4)[:4]
+    layout = sp.layout if layout is None else layout
     lockstep.agree(sp, "gather", {"dim": dim, "dims": local.dim(), "dtype": lockstep.dtype_code(local),
-                                  **{f"shape[{i}]": n for i, n in enumerate(shape)}})
-    return _Gather.apply(local, dim, sp)
+                                  "layout": layout_code(layout), **{f"shape[{i}]": n for i, n in enumerate(shape)}})
+    return _Gather.apply(local, dim, sp, layout)

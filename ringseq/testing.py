@@ -137,12 +137,13 @@ def assert_close(actual: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor,
 
 
 def assert_shards_close(local: torch.Tensor, plain: torch.Tensor, ref64: torch.Tensor, what: str, *, sp,
-                        dim: int = 2) -> None:
+                        dim: int = 2, layout=None) -> None:
     """``assert_close`` on the whole tensor: this rank's shard of ringseq's result is gathered
-    (every rank then checks the same whole tensor against the full-sequence references)."""
+    (every rank then checks the same whole tensor against the full-sequence references).
+    ``layout``: a batch's own (``ringseq.balance``) instead of ``sp.layout``."""
     from .sharding import gather
 
-    assert_close(gather(local.detach(), dim, sp=sp), plain, ref64, what)
+    assert_close(gather(local.detach(), dim, sp=sp, layout=layout), plain, ref64, what)
 
 
 def assert_named_close(got: dict, plain: dict, ref64: dict, what: str, rounded: dict | None = None,

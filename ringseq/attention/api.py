@@ -9,6 +9,7 @@ import torch
 
 from ringseq import lockstep
 from ringseq.errors import RingSeqError
+from ringseq.layouts import check_length
 from ringseq.sharding import gather
 
 from . import keep
@@ -60,7 +61,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     """Exact attention of this rank's queries over the whole (global) sequence.
 
     q [B,H,s,D], k [B,K,s,D], v [B,K,s,Dv] (H % K == 0; K/V cross the wire at K heads; v's head
-    dim may differ, as in MLA), each this rank's shard by ``sp.layout``. Returns [B,H,s,Dv] in
+    dim may differ, as in MLA), each this rank's shard by ``sp.layout`` (or by the batch's own
+    layout that ``token_info`` carries: ``shard_batch``'s ``local["ringseq"].info``). Returns [B,H,s,Dv] in
     q's dtype; differentiable in q, k, v and sinks.
 
     position_ids  this rank's shard of the global position ids: packed documents attend only
@@ -138,8 +140,11 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
     elif position_ids is not None or attention_mask is not None:
         raise RingSeqError("pass either token_info or position_ids/attention_mask, not both")
     check_token_info(token_info, q.size(0), q.size(2) * sp.size)
+    if token_info.layout is not None:
+        check_length(token_info.layout, q.size(2) * sp.size, sp.ring_size, sp.ulysses_size)
     scale = 1.0 / math.sqrt(q.size(-1)) if scale is None else float(scale)
-    return RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=sp.layout,
+    layout = sp.layout if token_info.layout is None else token_info.layout  # a batch's own (ringseq.balance)
+    return RingOptions(group=sp.ring_group, ranks=sp.ring_ranks, r=sp.ring_rank, layout=layout,
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
                        softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,

@@ -6,7 +6,7 @@ import math
 import torch
 
 from ringseq.errors import RingSeqError
-from ringseq.layouts import multiple
+from ringseq.layouts import layout_code, multiple
 
 from ringseq.lockstep import KERNELS, checksum, dtype_code, float_bits
 from ringseq.topology import check_sp  # noqa: F401 - part of the checks' interface
@@ -104,7 +104,8 @@ def call_record(q, k, v, *, causal, scale, window, softcap, sinks, position_ids,
 
 
 def token_checksum(info) -> int:
-    """Shapes and a position-weighted sum of the documents and padding (once per TokenInfo)."""
+    """Shapes and a position-weighted sum of the documents and padding, and the batch's own
+    layout (once per TokenInfo)."""
     if not isinstance(info, TokenInfo):
         return -3
     if "checksum" not in info._cache:
@@ -114,5 +115,7 @@ def token_checksum(info) -> int:
                 total = (total * 31 + 7) % 2**61
                 continue
             total = (total * 31 + hash(tuple(t.shape)) + checksum(t)) % 2**61
+        if info.layout is not None:  # the batch's own layout (ringseq.balance)
+            total = (total * 31 + layout_code(info.layout)) % 2**61
         info._cache["checksum"] = total
     return info._cache["checksum"]

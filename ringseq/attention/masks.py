@@ -32,6 +32,9 @@ class TokenInfo:
     block: torch.Tensor | None = None
     """[B, S] int32 id of the bidirectional block of each token (-1: none; a block is one run of
     tokens); None: no blocks (CPU)."""
+    layout: object = None
+    """The batch's own layout (a ``ringseq.layouts.Runs``: packed documents balanced by work,
+    made by ``ringseq.shard_batch``); None: the sequence group's layout."""
     _cache: dict = dataclasses.field(default_factory=dict, repr=False)
     """Schedules and prefix tables derived from this batch (``rank_schedule``, ``valid_count``)."""
 

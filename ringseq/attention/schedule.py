@@ -26,7 +26,7 @@ import functools
 
 import torch
 
-from ringseq.layouts import check_length, owner, runs, segments
+from ringseq.layouts import Runs, check_length, owner, runs, segments
 
 from .masks import TokenInfo
 
@@ -178,6 +178,8 @@ def steps_needed(layout: str, S: int, P: int, causal: bool, info: TokenInfo, win
     if info.trivial and window is None:
         return P
     s = check_length(layout, S, P)
+    if isinstance(layout, Runs):
+        return _runs_steps(layout, S, P, causal, info, window)
     if layout == "striped":
         return _striped_steps(S, P, causal, info, window)
     chunk = s if layout == "contiguous" else s // 2
@@ -189,6 +191,18 @@ def steps_needed(layout: str, S: int, P: int, causal: bool, info: TokenInfo, win
     if info.valid is not None:  # a chunk of padding only is seen by no one
         seen &= info.valid.reshape(info.valid.size(0), -1, chunk).any(2).any(0)[None]
     distance = (rank[:, None] - owner(layout, S, P, chunks * chunk)[None]) % P
+    return 1 + int(distance[seen].max()) if bool(seen.any()) else 1
+
+
+def _runs_steps(layout: Runs, S: int, P: int, causal: bool, info: TokenInfo, window) -> int:
+    """``steps_needed`` for a batch's own runs: every run of every rank against every other."""
+    starts, lengths, rank = layout.table()
+    ends = starts + lengths
+    lo, hi = _key_bounds(starts, ends, S, causal, info, window)
+    seen = (starts[None] < hi[:, None]) & (ends[None] > lo[:, None])  # [query run, key run]
+    if info.valid is not None:  # a run of padding only is seen by no one
+        seen &= (info.valid_count(starts, ends - 1, 1) > 0).any(0)[None]
+    distance = (rank[:, None] - rank[None]) % P
     return 1 + int(distance[seen].max()) if bool(seen.any()) else 1
 
 
@@ -235,8 +249,14 @@ def _status(calls, info: TokenInfo, window: int | None, causal: bool = False) ->
     qz = torch.tensor([q.at(q.n - 1) for _, q, _ in calls])
     ka = torch.tensor([k.start for _, _, k in calls])
     kz = torch.tensor([k.at(k.n - 1) for _, _, k in calls])
-    hidden = torch.zeros(len(calls), dtype=torch.bool)[None]
-    full = torch.ones(len(calls), dtype=torch.bool)[None]
+    n_keys = torch.tensor([k.n for _, _, k in calls])
+    return _status_of(qa, qz, ka, kz, n_keys, calls[0][2].step, info, window, causal)
+
+
+def _status_of(qa, qz, ka, kz, n_keys, step: int, info: TokenInfo, window, causal: bool):
+    """``_status`` of pairs given by their spans' first and last indices (tensors [n])."""
+    hidden = torch.zeros(qa.numel(), dtype=torch.bool)[None]
+    full = torch.ones(qa.numel(), dtype=torch.bool)[None]
     if causal:
         b = info.block
         bridged = (b[:, qz] == b[:, ka]) & (b[:, qz] >= 0)  # [B, n]
@@ -251,8 +271,6 @@ def _status(calls, info: TokenInfo, window: int | None, causal: bool = False) ->
         hidden = hidden | (dkz < dqa) | (dka > dqz)
         full = full & (dqa == dqz) & (dka == dkz) & (dqa == dka)
     if info.valid is not None:
-        n_keys = torch.tensor([k.n for _, _, k in calls])
-        step = calls[0][2].step
         count = info.valid_count(ka, kz, step)  # [B, n]
         hidden = hidden | (count == 0)
         full = full & (count == n_keys[None])
@@ -268,7 +286,9 @@ def rank_schedule(layout: str, S: int, P: int, r: int, causal: bool, info: Token
         return info._cache[key]
     s = check_length(layout, S, P)
     T = steps_needed(layout, S, P, causal, info, window)
-    if info.trivial and window is None:
+    if isinstance(layout, Runs):
+        calls = _runs_schedule(layout, r, T, causal, info, window)
+    elif info.trivial and window is None:
         calls = tuple(tuple(PlannedCall(c, False) for c in block_plan(layout, s, P, r, (r - t) % P, causal))
                       for t in range(T))
     else:
@@ -290,3 +310,40 @@ def rank_schedule(layout: str, S: int, P: int, r: int, causal: bool, info: Token
     plan = RankSchedule(steps=T, calls=calls)
     info._cache[key] = plan
     return plan
+
+
+def _runs_schedule(layout: Runs, r: int, T: int, causal: bool, info: TokenInfo, window) -> tuple:
+    """``rank_schedule``'s calls for a batch's own runs: one call per (query run, key run) pair,
+    every pair of the T steps decided at once in tensors and only the visible ones made calls
+    (a batch of many documents has many runs, most pairs hidden)."""
+    P = layout.P
+    mine = layout.segments[r]
+    qa = torch.tensor([a for a, _ in mine])
+    qn = torch.tensor([n for _, n in mine])
+    q_local = torch.cumsum(qn, 0) - qn
+    ks, kt, kloc = [], [], []  # key runs of the ranks r - t, t < T
+    for t in range(T):
+        theirs = layout.segments[(r - t) % P]
+        ks += theirs
+        kt += [t] * len(theirs)
+        kloc += [sum(n for _, n in theirs[:i]) for i in range(len(theirs))]
+    ka = torch.tensor([a for a, _ in ks])
+    kn = torch.tensor([n for _, n in ks])
+    i, j = (x.flatten() for x in torch.meshgrid(torch.arange(len(mine)), torch.arange(len(ks)), indexing="ij"))
+    same = (torch.tensor(kt)[j] == 0) & (qa[i] == ka[j])
+    blocks = causal and info.block is not None  # every pair planned, causality in the masks
+    keep = torch.ones_like(i, dtype=torch.bool) if not causal or blocks else ka[j] < qa[i] + qn[i]
+    i, j, same = i[keep], j[keep], same[keep]
+    per_step = [[] for _ in range(T)]
+    if i.numel():
+        q0, q1, k0, k1 = qa[i], qa[i] + qn[i] - 1, ka[j], ka[j] + kn[j] - 1
+        hidden, masked = _status_of(q0, q1, k0, k1, kn[j], 1, info, window, blocks)
+        # causality inside the plan: the own run is a causal square, keys wholly before the queries are full
+        causal_call = same & torch.tensor(causal and not blocks)
+        live = (~hidden).nonzero().flatten().tolist()
+        rows = zip(i[live].tolist(), j[live].tolist(), masked[live].tolist(), causal_call[live].tolist())
+        for a, b, m, c in rows:
+            call = Call(slice(int(q_local[a]), int(q_local[a] + qn[a])), slice(kloc[b], kloc[b] + int(kn[b])), c)
+            spans = (Span(int(qa[a]), 1, int(qn[a])), Span(int(ka[b]), 1, int(kn[b])))
+            per_step[kt[b]].append(PlannedCall(call, m, *spans) if m else PlannedCall(call, False))
+    return tuple(tuple(step) for step in per_step)

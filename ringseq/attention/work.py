@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from ringseq.layouts import owner
+from ringseq.layouts import Runs, owner
 
 from .masks import TokenInfo
 
@@ -54,11 +54,32 @@ def visible_keys(info: TokenInfo, S: int, window: int | None = None, causal: boo
     return (prefix.gather(1, hi.clamp(min=0)) - prefix.gather(1, lo.clamp(max=S))).clamp(min=0)
 
 
-def per_rank(info: TokenInfo, layout: str, S: int, P: int, window: int | None = None,
+def chunk_work(info: TokenInfo, S: int, c: int) -> torch.Tensor:
+    """[S / c] int64: the visible pairs of the queries of each chunk of c tokens, summed over the
+    batch (full causal attention). With documents alone, in closed form from where the documents
+    and chunks start (a token at offset k of its document sees k + 1 keys; O(documents +
+    chunks) after one pass to find the starts); with padding or blocks, from ``visible_keys``."""
+    if info.valid is not None or info.block is not None:
+        return visible_keys(info, S).sum(0).reshape(-1, c).sum(1)
+    total = torch.zeros(S // c, dtype=torch.long)
+    for row in ([None] if info.doc is None else info.doc):
+        starts = torch.zeros(1, dtype=torch.long)
+        if row is not None:
+            starts = torch.cat([starts, (row[1:] != row[:-1]).nonzero().flatten() + 1])
+        a = torch.unique(torch.cat([starts, torch.arange(0, S, c)]))  # pieces inside one document and one chunk
+        e = torch.cat([a[1:], torch.tensor([S])])
+        first = starts[torch.searchsorted(starts, a, right=True) - 1]
+        n = e - a  # keys a - first + 1 .. e - first: their sum
+        total.index_add_(0, a // c, n * (a + e + 1 - 2 * first) // 2)
+    return total
+
+
+def per_rank(info: TokenInfo, layout, S: int, P: int, window: int | None = None,
              causal: bool = True) -> list[int]:
     """Visible pairs of each ring rank's queries, summed over the batch (all samples)."""
     counts = visible_keys(info, S, window, causal).sum(0)
-    return torch.bincount(_owners(layout, S, P), weights=counts.double(), minlength=P).long().tolist()
+    owners = owner(layout, S, P, torch.arange(S)) if isinstance(layout, Runs) else _owners(layout, S, P)
+    return torch.bincount(owners, weights=counts.double(), minlength=P).long().tolist()
 
 
 @functools.lru_cache(maxsize=4)

@@ -8,7 +8,11 @@ import torch
 import torch.distributed as dist
 
 import ringseq
+from ringseq.attention.masks import TokenInfo, documents
+from ringseq.balance import balanced
+from ringseq.layouts import Runs
 from ringseq.reference import attention as reference
+from ringseq.sharding import shard_tensor
 from ringseq.testing import assert_close, assert_shards_close, rounding, shared_init
 
 from .cases import DTYPES, make_qkv
@@ -24,6 +28,19 @@ def packed_positions(B, S, seed):
             n = int(torch.randint(1, max(2, S // 2), (1,), generator=g))
             pos.extend(range(n))
         rows.append(pos[:S])
+    return torch.tensor(rows)
+
+
+def skewed_positions(B, S, seed):
+    """[B, S] position ids of short documents (1-3 tokens) and one of S/4 tokens at the end of
+    each row: zigzag's last chunks then hold most of the work, so ``ringseq.balance`` moves it."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(B):
+        pos = []
+        while len(pos) < S - S // 4:
+            pos.extend(range(int(torch.randint(1, 4, (1,), generator=g))))
+        rows.append((pos[:S - S // 4] + list(range(S // 4))))
     return torch.tensor(rows)
 
 
@@ -59,18 +76,30 @@ def image_blocks(B, S, seed):
     return blocks
 
 
+def balanced_layout(sp, pos, pad, blk):
+    """The layout ``shard_batch`` gives this batch under zigzag (``ringseq.balance``) and a
+    ``token_info`` that carries it; at world 2 and 4 it must be runs of its own, not zigzag."""
+    info = TokenInfo(doc=documents(pos), valid=None if pad is None else pad.bool(), block=blk)
+    layout = balanced(info, pos.size(1), sp.ring_size)
+    assert sp.ring_size == 1 or isinstance(layout, Runs), f"this batch balances as {layout!r}: a case that tests nothing"
+    return layout, TokenInfo(doc=info.doc, valid=info.valid, block=info.block,
+                             layout=layout if isinstance(layout, Runs) else None)
+
+
 def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, packed=False, padded=False,
                    sinks=False, slab_rows=None, autocast=False, kernel=None, backward=True, blocks=False,
-                   **features):
+                   balanced=False, **features):
     """ringseq against ``reference`` in float64 and plainly in ``dtype``. ``autocast``: q and k
     in fp32 (as a rotary embedding leaves them), v and dout in ``dtype``, both ringseq and the
     plain SDPA run under ``torch.autocast(dtype=dtype)``. ``backward=False``: the output only,
-    computed without autograd (a kernel whose backward needs CUDA)."""
+    computed without autograd (a kernel whose backward needs CUDA). ``balanced``: the packed
+    documents laid out by work as ``shard_batch`` lays them out (zigzag groups only), the
+    layout carried by ``token_info``."""
     S = S_per_rank * sp.size
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     g = torch.Generator().manual_seed(seed + 7)
     sink = torch.randn(H, generator=g, dtype=torch.float64) if sinks else None
-    pos = packed_positions(B, S, seed) if packed else None
+    pos = (skewed_positions if balanced else packed_positions)(B, S, seed) if packed else None
     pad = padding_mask(B, S, seed) if padded else None
     blk = image_blocks(B, S, seed) if blocks else None
     kw = dict(causal=True, **features)
@@ -81,23 +110,32 @@ def check_features(sp, *, dtype, B=2, H=8, K=2, S_per_rank=16, D=32, seed=0, pac
     with mixed:
         plain = reference(*inputs, sinks=None if sink is None else sink.to(dtype), position_ids=pos,
                           attention_mask=pad, sdpa=True, blocks=blk, **kw)
-    local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in inputs[:3]]
+    layout = sp.layout
+
+    def shard(t, dim):
+        return shard_tensor(t, dim, layout, sp.ring_size, sp.rank, sp.ulysses_size)
+
+    local = [shard(t, 2).requires_grad_(True) for t in inputs[:3]]
     sink_in = None if sink is None else sink.to(dtype).requires_grad_(True)
-    masks = {"position_ids": None if pos is None else ringseq.shard(pos, 1, sp=sp),
-             "attention_mask": None if pad is None else ringseq.shard(pad, 1, sp=sp)}
+    masks = {"position_ids": None if pos is None else shard(pos, 1),
+             "attention_mask": None if pad is None else shard(pad, 1)}
     if blk is not None:  # blocks come only in a TokenInfo
-        masks = {"token_info": ringseq.token_info(sp, **masks, blocks=ringseq.shard(blk, 1, sp=sp))}
+        masks = {"token_info": ringseq.token_info(sp, **masks, blocks=shard(blk, 1))}
+    if balanced and sp.layout == "zigzag":
+        layout, info = balanced_layout(sp, pos, pad, blk)
+        local = [shard(t, 2).requires_grad_(True) for t in inputs[:3]]
+        masks = {"token_info": info}
     with mixed, torch.set_grad_enabled(backward):
         out = ringseq.ring_attention(*local, sp=sp, sinks=sink_in, slab_rows=slab_rows, kernel=kernel, **masks, **kw)
-    case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {sp.layout} {dtype} autocast={autocast} H{H} K{K} "
+    case = (f"rank {sp.rank}/{sp.size} U{sp.ulysses_size} {layout} {dtype} autocast={autocast} H{H} K{K} "
             f"packed={packed} padded={padded} sinks={sinks} blocks={blocks} slab {slab_rows} {kernel} {features}")
     if not backward:
         assert not out.requires_grad
-        assert_shards_close(out, plain[0], ref[0], f"out [{case}]", sp=sp)
+        assert_shards_close(out, plain[0], ref[0], f"out [{case}]", sp=sp, layout=layout)
         return
-    out.backward(ringseq.shard(inputs[3], 2, sp=sp))
+    out.backward(shard(inputs[3], 2))
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
-        assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
+        assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp, layout=layout)
     if sinks:
         # each rank's sink gradient is its share: summed over the sequence group it is the whole
         # each rank's sink gradient is its share, stored in ``dtype``; summed over the sequence group
@@ -123,6 +161,8 @@ FEATURES = [
     dict(sinks=True, K=2),
     dict(sinks=True, K=1, window=11),
     dict(packed=True, padded=True, sinks=True),
+    dict(packed=True, balanced=True),  # the batch's own layout (zigzag groups; ringseq.balance)
+    dict(packed=True, balanced=True, window=7, softcap=2.0, sinks=True, K=1),
 ]
 
 
@@ -133,6 +173,7 @@ def feature_matrix(layout, dtype_name, ulysses_size=1):
 
 
 BLOCK_FEATURES = [dict(blocks=True), dict(blocks=True, window=5, padded=True),
+                  dict(blocks=True, packed=True, padded=True, balanced=True),
                   dict(blocks=True, packed=True, sinks=True, softcap=2.0)]
 
 

@@ -6,6 +6,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
+from ringseq.layouts import Runs
 from ringseq.testing import shared_init
 
 from .hf_models import VOCAB, check_against, loss_and_grads, make_batch, references, tiny_model
@@ -19,6 +20,8 @@ def manual_path(family="llama", S_per_rank=16):
     base, refs = references(family, batch)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     local = ringseq.shard_batch(batch, sp=sp)
+    facts = local["ringseq"]  # packed documents: laid out by work (ringseq.balance), not where ringseq.shard puts them
+    assert isinstance(facts.order, Runs), f"a packed batch balances as {facts.order!r}: zigzag already even"
     labels = local.pop("labels")
     model.zero_grad(set_to_none=True)
     logits = model(**local).logits
@@ -29,7 +32,8 @@ def manual_path(family="llama", S_per_rank=16):
     check_against(refs, loss.detach(), grads, sp, f"manual path rank {sp.rank}/{world}")
     # the labels came back shifted on the full sequence, then sharded
     shifted = torch.cat([batch["labels"][:, 1:], torch.full((2, 1), -100)], 1)
-    assert torch.equal(labels, ringseq.shard(shifted, 1, sp=sp))
+    assert torch.equal(labels, facts.shard(shifted, 1))
+    assert torch.equal(facts.gather(labels), shifted)
     # the whole shard_batch output, labels included, straight into the patched model; 16 * world - 3
     # tokens: shard_batch pads them to a length the layout splits
     for kind in ("packed", "padded"):

@@ -137,8 +137,12 @@ def test_balance_benchmark(tmp_path):
     records = bench("balance.py", "--N", "4096", "--sizes", "2", "4", "--rows", "2", out=tmp_path)
     assert {(r["mix"], r["P"], r["layout"]) for r in records} == {
         (m, P, lay) for m in ("pile", "prolong64k", "prolong512k") for P in (2, 4)
-        for lay in ("zigzag", "contiguous", "striped")}
+        for lay in ("balanced", "zigzag", "contiguous", "striped")}
     assert all(r["max_over_mean"] >= 1.0 and r["documents_per_row"] > 1 for r in records)
+    for r in records:  # the row's own layout is never worse than zigzag
+        if r["layout"] == "balanced":
+            zigzag = next(x for x in records if x["layout"] == "zigzag" and (x["mix"], x["P"]) == (r["mix"], r["P"]))
+            assert r["max_over_mean"] <= min(1.05, zigzag["max_over_mean"]), r
     assert (tmp_path / "balance.png").exists()
 
 
@@ -148,7 +152,7 @@ def test_balance_benchmark_times_the_steps(tmp_path):
                     out=tmp_path)
     steps = [r for r in records if "step_ms" in r]
     assert {(r["mix"], r["layout"]) for r in steps} == {
-        (m, lay) for m in ("pile", "prolong64k", "prolong512k") for lay in ("zigzag", "striped")}
+        (m, lay) for m in ("pile", "prolong64k", "prolong512k") for lay in ("balanced", "zigzag", "striped")}
     assert all(r["step_ms"] > 0 and r["work_max_over_mean"] >= 1.0 for r in steps)
     assert all(r["step_over_zigzag"] == 1.0 for r in steps if r["layout"] == "zigzag")
     assert (tmp_path / "balance_step.jsonl").exists()

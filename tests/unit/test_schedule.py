@@ -1,6 +1,6 @@
 """The ring schedule against brute force: an S x S visibility matrix from the definitions.
 
-Random layouts, ring sizes, lengths, batches, packed documents, padding and windows
+Random layouts (also a batch's own runs, as ``ringseq.balance`` makes them), ring sizes, lengths, batches, packed documents, padding and windows
 (hypothesis). For every rank, the calls of every ring step - unmasked ones counted whole,
 masked ones through their ``RowMask`` - must cover each visible (query, key) pair exactly once
 and no hidden pair; every slab's ``key_range`` must contain all the columns it can see; all
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ringseq import LAYOUTS
 from ringseq.attention.masks import RowMask, TokenInfo
 from ringseq.attention.schedule import rank_schedule
-from ringseq.layouts import global_positions, owner
+from ringseq.layouts import Runs, global_positions, owner
 
 
 def visibility(S, causal, window, doc, valid, B):
@@ -32,11 +32,26 @@ def visibility(S, causal, window, doc, valid, B):
     return vis
 
 
+def runs_layout(owners, P: int, c: int) -> Runs:
+    """A batch's own layout: chunk i of c tokens on rank owners[i], adjacent chunks merged."""
+    segments = [[] for _ in range(P)]
+    for i, r in enumerate(owners):
+        if segments[r] and sum(segments[r][-1]) == i * c:
+            segments[r][-1] = (segments[r][-1][0], segments[r][-1][1] + c)
+        else:
+            segments[r].append((i * c, c))
+    return Runs(len(owners) * c, P, tuple(map(tuple, segments)))
+
+
 @st.composite
 def cases(draw):
-    layout = draw(st.sampled_from(LAYOUTS))
+    layout = draw(st.sampled_from(LAYOUTS + ("runs",)))
     P = draw(st.integers(1, 5))
     s = draw(st.integers(1, 5)) * (2 if layout == "zigzag" else 1)
+    if layout == "runs":  # a batch's own layout (ringseq.balance): m chunks of c tokens a rank, dealt at random
+        m, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+        s = m * c
+        layout = runs_layout(draw(st.permutations([r for r in range(P) for _ in range(m)])), P, c)
     S, B = P * s, draw(st.integers(1, 2))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, S + 1))) if causal else None
@@ -50,7 +65,7 @@ def cases(draw):
     return layout, P, S, B, causal, window, doc, valid
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=500, deadline=None)
 @given(cases())
 def test_schedule_covers_exactly_the_visible_pairs(case):
     layout, P, S, B, causal, window, doc, valid = case

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from ringseq.attention.masks import TokenInfo, documents
-from ringseq.attention.work import per_rank, visible_keys
+from ringseq.attention.work import chunk_work, per_rank, visible_keys
 from ringseq.layouts import global_positions
 from ringseq.reference import visibility
 
@@ -50,3 +50,16 @@ def test_per_rank_sums_each_ranks_queries(layout):
     assert sum(work) == int(dense.sum())
     one = per_rank(TokenInfo(), "zigzag", S, P)  # one causal sequence: zigzag balances it exactly
     assert len(set(one)) == 1 and sum(one) == S * (S + 1) // 2
+
+
+@pytest.mark.parametrize("parts", ["docs", "none", "docs+pad", "docs+blocks"])
+def test_chunk_work_sums_the_dense_mask_by_chunk(parts):
+    B, S, c = 2, 48, 6
+    pos, mask, blocks = _case(3, B, S)
+    info = TokenInfo(doc=documents(pos) if "docs" in parts else None, valid=mask.bool() if "pad" in parts else None,
+                     block=blocks.int() if "blocks" in parts else None)
+    dense = visibility(S, causal=True, position_ids=pos if "docs" in parts else None,
+                       attention_mask=mask if "pad" in parts else None,
+                       blocks=blocks if "blocks" in parts else None).expand(B, S, S)
+    rows = dense.sum(-1).sum(0) if "docs" in parts or "pad" in parts or "blocks" in parts else dense[0].sum(-1)
+    assert torch.equal(chunk_work(info, S, c), rows.reshape(-1, c).sum(1))
