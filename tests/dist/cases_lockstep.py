@@ -386,14 +386,14 @@ def attention_work_is_reported(ulysses=1):
     mask = torch.ones(2, S, dtype=torch.long)
     mask[1, :5] = 0
     ringseq.stats(sp=sp, reset=True)
-    for _ in range(2):  # two batches add up
-        ringseq.shard_batch({"input_ids": torch.zeros(2, S, dtype=torch.long), "position_ids": pos}, sp=sp)
+    packed = {"input_ids": torch.zeros(2, S, dtype=torch.long), "position_ids": pos}
+    layouts = [ringseq.shard_batch(packed, sp=sp)["ringseq"].order for _ in range(2)]  # two batches add up
     ringseq.shard_batch({"input_ids": torch.zeros(2, S, dtype=torch.long), "attention_mask": mask}, sp=sp)
-    keys = 2 * visibility(S, causal=True, position_ids=pos).sum(-1) + visibility(S, causal=True,
-                                                                                attention_mask=mask).sum(-1)
-    per_query = keys.sum(0)
+    batches = [(visibility(S, causal=True, position_ids=pos).sum(-1).sum(0), layout) for layout in layouts]
+    batches.append((visibility(S, causal=True, attention_mask=mask).sum(-1).sum(0), sp.layout))
     U = sp.ulysses_size  # the ranks of a Ulysses group attend all of their ring rank's queries, 1/U of the heads each
-    want = [float(per_query[global_positions(sp.layout, S, sp.ring_size, g // U)].sum()) / U for g in range(world)]
+    want = [sum(float(keys[global_positions(layout, S, sp.ring_size, g // U)].sum()) for keys, layout in batches) / U
+            for g in range(world)]
     report = ringseq.stats(sp=sp, reset=True)
     got = [r["attention_pairs"] for r in report["ranks"]]
     assert got == want, (got, want)
