@@ -15,6 +15,7 @@ import torch
 from ringseq.attention.kernels import cuda_varlen, flex
 from ringseq.attention.masks import TokenInfo, documents
 from ringseq.attention.virtual import virtual_ring
+from ringseq.layouts import Runs
 from ringseq.reference import attention
 
 
@@ -103,6 +104,19 @@ def cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(flex.Flex, "applies", staticmethod(lambda device, dtype, D: True))
 
 
+def _runs(owners, P, c):
+    segments = [[] for _ in range(P)]
+    for i, r in enumerate(owners):
+        if segments[r] and sum(segments[r][-1]) == i * c:
+            segments[r][-1] = (segments[r][-1][0], segments[r][-1][1] + c)
+        else:
+            segments[r].append((i * c, c))
+    return Runs(len(owners) * c, P, tuple(map(tuple, segments)))
+
+
+RUNS = _runs([0, 1, 2, 3, 3, 2, 1, 0, 1, 1, 3, 2, 2, 3, 0, 0], 4, 4)
+"""A batch's own layout (``ringseq.balance``): 64 tokens in chunks of 4 over 4 ranks, some merged into runs."""
+
 CASES = {"documents": dict(packed=True), "left padding": dict(padded=True), "window": dict(window=11),
          "documents + window + GQA + sinks": dict(packed=True, window=19, sinks=True)}
 
@@ -129,7 +143,7 @@ def test_ring_with_the_cuda_backends_glue_is_exact(cuda_on_cpu, kernel, feature)
     feats = dict(window=kw.get("window"), softcap=kw.get("softcap"))
     ref = attention(q, k, v, dout, causal=True, sinks=sinks, position_ids=pos, attention_mask=mask, **feats)[:4]
     info = TokenInfo(doc=None if pos is None else documents(pos), valid=None if mask is None else mask.bool())
-    for layout in ("zigzag", "striped"):
+    for layout in ("zigzag", "striped", RUNS):
         got = virtual_ring(q, k, v, dout, P=4, layout=layout, info=info, sinks=sinks, kernel=kernel, **feats)
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
             err = (g - r).abs().max().item()
