@@ -52,7 +52,7 @@ def balanced(info: TokenInfo, S: int, P: int) -> str | Runs:
         if ratio <= TOLERANCE:
             break
     _, m, owners = best
-    return "zigzag" if m == 2 else _runs(owners, S, P, S // (P * m))
+    return "zigzag" if m == 2 else chunk_layout(owners, P, S // (P * m))
 
 
 def _zigzag(P: int) -> list[int]:
@@ -104,8 +104,9 @@ def _best_swap(work: list[int], heavy: list[int], light: list[int], gap: int):
     return best
 
 
-def _runs(owners: list[int], S: int, P: int, c: int) -> Runs:
-    """Chunks of c tokens and their owners -> each rank's runs (adjacent chunks merged)."""
+def chunk_layout(owners: list[int], P: int, c: int) -> Runs:
+    """The layout of chunks of c tokens, chunk i on ring rank ``owners[i]`` (the same number of
+    chunks on every rank): each rank's runs, adjacent chunks merged."""
     segments = [[] for _ in range(P)]
     for i, r in enumerate(owners):
         mine = segments[r]
@@ -113,4 +114,4 @@ def _runs(owners: list[int], S: int, P: int, c: int) -> Runs:
             mine[-1] = (mine[-1][0], mine[-1][1] + c)
         else:
             mine.append((i * c, c))
-    return Runs(S, P, tuple(tuple(rank) for rank in segments))
+    return Runs(len(owners) * c, P, tuple(tuple(rank) for rank in segments))

@@ -15,7 +15,7 @@ import torch
 from ringseq.attention.kernels import cuda_varlen, flex
 from ringseq.attention.masks import TokenInfo, documents
 from ringseq.attention.virtual import virtual_ring
-from ringseq.layouts import Runs
+from ringseq.balance import chunk_layout
 from ringseq.reference import attention
 
 
@@ -104,17 +104,7 @@ def cuda_on_cpu(monkeypatch):
     monkeypatch.setattr(flex.Flex, "applies", staticmethod(lambda device, dtype, D: True))
 
 
-def _runs(owners, P, c):
-    segments = [[] for _ in range(P)]
-    for i, r in enumerate(owners):
-        if segments[r] and sum(segments[r][-1]) == i * c:
-            segments[r][-1] = (segments[r][-1][0], segments[r][-1][1] + c)
-        else:
-            segments[r].append((i * c, c))
-    return Runs(len(owners) * c, P, tuple(map(tuple, segments)))
-
-
-RUNS = _runs([0, 1, 2, 3, 3, 2, 1, 0, 1, 1, 3, 2, 2, 3, 0, 0], 4, 4)
+RUNS = chunk_layout([0, 1, 2, 3, 3, 2, 1, 0, 1, 1, 3, 2, 2, 3, 0, 0], 4, 4)
 """A batch's own layout (``ringseq.balance``): 64 tokens in chunks of 4 over 4 ranks, some merged into runs."""
 
 CASES = {"documents": dict(packed=True), "left padding": dict(padded=True), "window": dict(window=11),

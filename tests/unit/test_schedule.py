@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from ringseq import LAYOUTS
 from ringseq.attention.masks import RowMask, TokenInfo
 from ringseq.attention.schedule import rank_schedule
-from ringseq.layouts import Runs, global_positions, owner
+from ringseq.balance import chunk_layout
+from ringseq.layouts import global_positions, owner
 
 
 def visibility(S, causal, window, doc, valid, B):
@@ -32,17 +33,6 @@ def visibility(S, causal, window, doc, valid, B):
     return vis
 
 
-def runs_layout(owners, P: int, c: int) -> Runs:
-    """A batch's own layout: chunk i of c tokens on rank owners[i], adjacent chunks merged."""
-    segments = [[] for _ in range(P)]
-    for i, r in enumerate(owners):
-        if segments[r] and sum(segments[r][-1]) == i * c:
-            segments[r][-1] = (segments[r][-1][0], segments[r][-1][1] + c)
-        else:
-            segments[r].append((i * c, c))
-    return Runs(len(owners) * c, P, tuple(map(tuple, segments)))
-
-
 @st.composite
 def cases(draw):
     layout = draw(st.sampled_from(LAYOUTS + ("runs",)))
@@ -51,7 +41,7 @@ def cases(draw):
     if layout == "runs":  # a batch's own layout (ringseq.balance): m chunks of c tokens a rank, dealt at random
         m, c = draw(st.integers(1, 3)), draw(st.integers(1, 3))
         s = m * c
-        layout = runs_layout(draw(st.permutations([r for r in range(P) for _ in range(m)])), P, c)
+        layout = chunk_layout(draw(st.permutations([r for r in range(P) for _ in range(m)])), P, c)
     S, B = P * s, draw(st.integers(1, 2))
     causal = draw(st.booleans())
     window = draw(st.one_of(st.none(), st.integers(1, S + 1))) if causal else None
