@@ -65,6 +65,16 @@ def test_lockstep_benchmark(tmp_path):
     assert "median_agree_share" in summary and (tmp_path / "lockstep.png").exists()
 
 
+@pytest.mark.slow  # a DeepSpeed process tree; what it reports is evidence, not a figure
+def test_memory_terms_benchmark(tmp_path):
+    records = bench("memory_terms.py", "--model", "tiny", "--systems", "ringseq:2:loss,ckpt,tiled", "--N", "512",
+                    "--top", "5", out=tmp_path)
+    (r,) = records
+    assert r["system"] == "ringseq:2:loss,ckpt,tiled" and r["N"] == 512 and r["live_mb"] > 0 and r["peak_op"]
+    assert 0 < len(r["terms"]) <= 5 and all(t["mb"] >= 0 and t["node"] and t["op"] for t in r["terms"])
+    assert (tmp_path / "memory_terms.jsonl").exists()
+
+
 @pytest.mark.slow  # two DeepSpeed process trees; the features it drives are tested in test_hf_models / test_launch
 def test_longest_benchmark(tmp_path):
     """The search, the watchdog-free path and the plot at a toy size (ALST through DeepSpeed and
