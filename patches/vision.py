@@ -161,7 +161,8 @@ def _intercepted(lm, run):
 def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs,
         balance: bool = False):
     """The VLM's own forward on the full batch, its language model on this rank's shard
-    (``balance``: packed documents laid out by work, ``ringseq.balance``). Returns (the language model's output on this rank's tokens, the ``ShardedBatch``)."""
+    (``balance``: packed documents laid out by work, ``ringseq.balance``). Returns (the language
+    model's output on this rank's tokens, the ``ShardedBatch``)."""
     base, lm = multimodal_model(model)
     inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
     # the inputs are agreed on, not the merged embeddings: a vision tower need not be bitwise alike on every rank
