@@ -20,7 +20,7 @@ import bisect
 import heapq
 
 from .attention.masks import TokenInfo
-from .attention.work import chunk_work
+from .attention.work import chunk_work, visible_keys
 from .layouts import Runs
 
 TOLERANCE = 1.03
@@ -36,10 +36,11 @@ def balanced(info: TokenInfo, S: int, P: int) -> str | Runs:
     if P == 1 or info.doc is None:
         return "zigzag"
     s, best = S // P, None
+    keys = None if info.valid is None and info.block is None else visible_keys(info, S).sum(0)  # once for every m
     for m in CHUNKS:
         if s % m:
             continue
-        work = chunk_work(info, S, s // m).tolist()  # [m P] exact integers
+        work = chunk_work(info, S, s // m, keys).tolist()  # [m P] exact integers
         owners = _zigzag(P) if m == 2 else _deal(work, P, m)
         loads = [0] * P
         for w, r in zip(work, owners):

@@ -56,10 +56,6 @@ class ShardedBatch:
     function reads next to the logits of the same tokens."""
     attention_mask: torch.Tensor | None = None
     """This rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero padding with)."""
-    layout: object = None
-    """Where this batch's tokens live: the group's layout name, or the batch's own
-    ``ringseq.layouts.Runs`` (packed documents balanced by work, ``ringseq.balance``); None: the
-    group's layout."""
 
     @property
     def padded_length(self) -> int:
@@ -67,8 +63,10 @@ class ShardedBatch:
 
     @property
     def order(self):
-        """The layout this batch was sharded by (a name or a ``Runs``)."""
-        return self.sp.layout if self.layout is None else self.layout
+        """The layout this batch was sharded by: the batch's own ``ringseq.layouts.Runs`` (packed
+        documents balanced by work, ``ringseq.balance``; ``info`` carries it to the attention
+        layers), else the group's layout name."""
+        return self.sp.layout if self.info.layout is None else self.info.layout
 
     def positions(self) -> torch.Tensor:
         """Global indices (int64 [s]) of this rank's tokens, in local order."""
@@ -282,12 +280,11 @@ def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: boo
     if blocks is not None:
         blocks = torch.nn.functional.pad(blocks.reshape(-1, S).expand(B, S), (0, pad), value=-1)
     info = full_token_info(batch["position_ids"], batch.get("attention_mask"), blocks)
-    layout = sp.layout
-    if balance and layout == "zigzag" and documents_apart:
+    if balance and sp.layout == "zigzag" and documents_apart:
         layout = balanced(info, S + pad, sp.ring_size)
         if layout != "zigzag":
             info = TokenInfo(doc=info.doc, valid=info.valid, block=info.block, layout=layout)
-    where = ShardedBatch(sp=sp, length=S, pad=pad, info=info, layout=layout)
+    where = ShardedBatch(sp=sp, length=S, pad=pad, info=info)
     local = {"position_ids": where.shard(batch["position_ids"], -1)}
     for key in ("input_ids", "inputs_embeds", "attention_mask"):
         if key in batch:

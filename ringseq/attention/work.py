@@ -54,13 +54,15 @@ def visible_keys(info: TokenInfo, S: int, window: int | None = None, causal: boo
     return (prefix.gather(1, hi.clamp(min=0)) - prefix.gather(1, lo.clamp(max=S))).clamp(min=0)
 
 
-def chunk_work(info: TokenInfo, S: int, c: int) -> torch.Tensor:
+def chunk_work(info: TokenInfo, S: int, c: int, keys: torch.Tensor | None = None) -> torch.Tensor:
     """[S / c] int64: the visible pairs of the queries of each chunk of c tokens, summed over the
     batch (full causal attention). With documents alone, in closed form from where the documents
     and chunks start (a token at offset k of its document sees k + 1 keys; O(documents +
-    chunks) after one pass to find the starts); with padding or blocks, from ``visible_keys``."""
+    chunks) after one pass to find the starts); with padding or blocks, from ``visible_keys``
+    (``keys``: its sum over the batch, when already at hand for another chunk size)."""
     if info.valid is not None or info.block is not None:
-        return visible_keys(info, S).sum(0).reshape(-1, c).sum(1)
+        keys = visible_keys(info, S).sum(0) if keys is None else keys
+        return keys.reshape(-1, c).sum(1)
     total = torch.zeros(S // c, dtype=torch.long)
     for row in ([None] if info.doc is None else info.doc):
         starts = torch.zeros(1, dtype=torch.long)
