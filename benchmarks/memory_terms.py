@@ -3,7 +3,7 @@
 For each system of ``benchmarks/longest.py`` (``kind:P[:features]``, its contenders) one process
 tree runs a warm-up step, then one forward + backward under a ``TorchDispatchMode`` that records
 every tensor storage an operator returns (bytes, shape, the autograd node running, when known)
-and drops it when the tensor is freed. At the moment the recorded bytes peak it reports, on rank
+and drops it when the storage is freed (the last tensor or view on it). At the moment the recorded bytes peak it reports, on rank
 0, the live storages grouped by (autograd node, operator, shape), largest first, in MB. Storages
 that exist before the step (parameters, optimizer state) are not counted; gradients and buffers
 made during it are. A view of a larger storage counts the storage once. Live bytes are not the
@@ -63,7 +63,7 @@ class LiveTensors(TorchDispatchMode):
                 continue
             self.live[key] = ("forward" if node is None else type(node).__name__, func.__name__, tuple(t.shape), n)
             self.total += n
-            weakref.finalize(t, self._free, key)
+            weakref.finalize(storage, self._free, key)  # the storage's life, not this tensor's (views, detach)
             if self.total > self.peak:
                 self.peak, self.at_peak, self.peak_op = self.total, dict(self.live), func.__name__
         return out
