@@ -58,7 +58,8 @@ class RingComm:
         before it posts again). Returns a handle; its ``wait()`` gives the received tensors."""
         P = len(self.ranks)
         to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
-        sends = [t.contiguous() for t in tensors] + [self.status.clone()]
+        wired = [wire(t) for t in tensors]
+        sends = [w for w, _ in wired] + [self.status.clone()]
         recvs = self._next_buffers(kind, sends, sets)
         tag = _tag(self.tag, kind, step, P)
         ops = [dist.P2POp(dist.isend, t, to, self.group, tag) for t in sends]
@@ -69,7 +70,7 @@ class RingComm:
         except RuntimeError as exc:
             what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
             raise lockstep.transport_error(self.sp, what, to, exc, since) from exc
-        return Transfer(self, works, recvs, sends, step, frm)
+        return Transfer(self, works, recvs, sends, step, frm, [flip for _, flip in wired])
 
     def _next_buffers(self, kind: str, like: list[torch.Tensor], count: int = 2) -> list[torch.Tensor]:
         sets = self._buffers.get(kind, [])
@@ -95,10 +96,27 @@ def _tag(number: int, kind: str, step: int, P: int) -> int:
     return ((number * len(KIND_CODES) + KIND_CODES.get(kind, 0)) * (P + 1) + step) % (2**31 - 1)
 
 
+def wire(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+    """The contiguous tensor that carries ``t``, and whether it is ``t.transpose(1, 2)``. Every rank
+    must send what its peer receives into, so the layout is fixed, not each tensor's own: a
+    [B, K, s, D] block travels as its [B, s, K, D] memory (transformers' layout, which the kernels
+    take and return: no copy for a tensor already so); tensors of fewer dims as they are."""
+    if t.dim() >= 3:
+        return t.transpose(1, 2).contiguous(), True
+    return t.contiguous(), False
+
+
+def travels_as_is(t: torch.Tensor) -> bool:
+    """Whether ``t`` crosses the wire without a copy (``wire``)."""
+    return t.transpose(1, 2).is_contiguous() if t.dim() >= 3 else t.is_contiguous()
+
+
 class Transfer:
-    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int):
+    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int, flips=()):
         self._comm, self._works, self._received, self._sent = comm, works, received, sent
         self._step, self._peer = step, peer  # the send buffers stay alive until the transfer is done
+        self._flips = list(flips)
+        """Per tensor: sent as its transpose(1, 2), so the received one is viewed back the same way."""
 
     def wait(self) -> list[torch.Tensor]:
         comm = self._comm
@@ -110,4 +128,4 @@ class Transfer:
         self._sent = None
         *received, status = self._received
         torch.maximum(comm.status, status, out=comm.status)
-        return received
+        return [r.transpose(1, 2) if flip else r for r, flip in zip(received, self._flips + [False] * len(received))]

@@ -31,7 +31,7 @@ from ringseq import lockstep
 from ringseq.errors import RingSeqError
 from ringseq.ledger import Clock
 
-from .comm import RingComm
+from .comm import RingComm, travels_as_is
 from .kernels import BlockSpec, for_call
 from .kernels.common import LSE, acc_dtype
 from .masks import RowMask, TokenInfo
@@ -171,7 +171,7 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
     B, H, s, D = q.shape
     acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
-    kv = (k.contiguous(), v.contiguous())
+    kv = (_uncopied(k), _uncopied(v))
 
     def work(call, kernel, spec):
         nonlocal out_acc, lse_acc, aux
@@ -192,17 +192,34 @@ def ring_forward(q, k, v, sinks, opts: RingOptions):
     out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
     if sinks is not None:
         _fold_sinks(out_acc, lse_acc, sinks)
-    return out_acc.to(q.dtype), lse_acc, aux
+    return _seq_major(out_acc, q.dtype), lse_acc, aux
 
 
-def _accumulate(total, rows: slice, grad, shape, dtype, travels: bool):
+def _uncopied(t: torch.Tensor) -> torch.Tensor:
+    """K or V as the ring holds them: in the wire's layout (``comm.wire``: transformers' [B, s, K, D]
+    memory under the [B, K, s, D] view), copied only when they come in another."""
+    return t if travels_as_is(t) else _seq_major(t, t.dtype)
+
+
+def _seq_major(t: torch.Tensor, dtype) -> torch.Tensor:
+    """t [B,H,s,D] in ``dtype``, as a view of [B,s,H,D] memory: the layout transformers' attention
+    returns, so its ``out.transpose(1, 2).contiguous()`` before the output projection is no copy
+    (which would be one more q-sized tensor, saved for that projection's backward beside ours)."""
+    if t.dtype == dtype and t.transpose(1, 2).is_contiguous():
+        return t
+    B, H, s, D = t.shape
+    return torch.empty((B, s, H, D), dtype=dtype, device=t.device).transpose(1, 2).copy_(t)
+
+
+def _accumulate(total, rows: slice, grad, like: torch.Tensor, dtype, travels: bool):
     """``total[:, :, rows] += grad``; the first gradient that covers every row becomes the
     accumulator itself (no zero-filled one beside it: the backward's peak is these buffers),
-    in the kernel's layout unless it ``travels`` (the wire takes contiguous tensors only)."""
+    in the kernel's layout unless it ``travels`` and the wire would copy it (``comm.wire``);
+    a zero-filled one takes the layout of ``like`` (the ring's K/V: the wire's)."""
     if total is None:
-        if rows == slice(0, shape[2]) and grad.shape == shape and (grad.is_contiguous() or not travels):
+        if rows == slice(0, like.shape[2]) and grad.shape == like.shape and (not travels or travels_as_is(grad)):
             return grad.to(dtype)
-        total = torch.zeros(shape, dtype=dtype, device=grad.device)
+        total = torch.zeros_like(like, dtype=dtype)
     total[:, :, rows] += grad
     return total
 
@@ -221,16 +238,16 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     # makes every exp(score - lse) of that row exactly 0 instead of nan.
     lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
     dq = dk = dv = None
-    kv, travelling = (k.contiguous(), v.contiguous()), None
+    kv, travelling = (_uncopied(k), _uncopied(v)), None
 
     def work(call, kernel, spec):
         nonlocal dq, dk, dv
         qr, kr = call.q_rows, call.k_rows
         gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
                                      out[:, :, qr], lse_b[:, :, qr], aux, spec)
-        dq = _accumulate(dq, qr, gq, q.shape, acc, travels=False)
-        dk = _accumulate(dk, kr, gk, kv[0].shape, acc, travels=sched.steps > 1)
-        dv = _accumulate(dv, kr, gv, kv[1].shape, acc, travels=sched.steps > 1)
+        dq = _accumulate(dq, qr, gq, q, acc, travels=False)
+        dk = _accumulate(dk, kr, gk, kv[0], acc, travels=sched.steps > 1)
+        dv = _accumulate(dv, kr, gv, kv[1], acc, travels=sched.steps > 1)
 
     # Block j's dK/dV accumulators arrive from the rank that held it before. On a GPU they arrive
     # while this step computes, into a buffer of their own, and are added after. On the CPU
@@ -249,8 +266,8 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
             travelling = None
         sched.compute(t, work)
         if dk is None:  # no call of this step (or a failed compute): nothing of this rank's own
-            dk = torch.zeros(kv[0].shape, dtype=acc, device=q.device)
-            dv = torch.zeros(kv[1].shape, dtype=acc, device=q.device)
+            dk = torch.zeros_like(kv[0], dtype=acc)
+            dv = torch.zeros_like(kv[1], dtype=acc)
         if travelling is not None:
             dk_in, dv_in = travelling.wait()
             dk += dk_in
@@ -262,7 +279,7 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
         dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=sets).wait()
     sched.finish()
     if dq is None:
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dq = torch.zeros_like(q, dtype=acc)
     dsinks = None
     if sinks is not None:
         # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])

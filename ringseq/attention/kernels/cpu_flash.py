@@ -56,8 +56,8 @@ class CpuFlash:
             return _backward(dout, q, k, v, out, lse.to(acc_dtype(q)).contiguous(), 0.0, spec.causal, scale=spec.scale)
         acc = acc_dtype(q)
         dq = torch.zeros_like(q)
-        dk = torch.zeros(k.shape, dtype=acc)
-        dv = torch.zeros(v.shape, dtype=acc)
+        dk = torch.zeros_like(k, dtype=acc)  # k's layout: the ring's, which its wire takes as it is
+        dv = torch.zeros_like(v, dtype=acc)
         for rows in slabs(q.size(2), spec.rows or ROWS):
             lo, hi = mask.key_range(rows.start, rows.stop)
             if hi == lo:
