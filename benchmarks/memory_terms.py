@@ -5,8 +5,8 @@ tree runs a warm-up step, then one forward + backward under a ``TorchDispatchMod
 every tensor storage an operator returns (bytes, shape, the autograd node running, when known)
 and drops it when the storage is freed (the last tensor or view on it). At the moment the recorded bytes peak it reports, on rank
 0, the live storages grouped by (autograd node, operator, shape), largest first, in MB. Storages
-that exist before the step (parameters, optimizer state) are not counted; gradients and buffers
-made during it are. A view of a larger storage counts the storage once. Live bytes are not the
+that exist before the step (parameters, optimizer state, DeepSpeed's flat buffers), and views of
+them, are not counted; gradients and buffers made during it are. A view of a larger storage counts the storage once. Live bytes are not the
 resident set (``longest.py`` measures that): an allocation whose pages are never touched (DeepSpeed
 allocates its reduce bucket, 5e8 elements by default, at full size) counts here whole, so
 ``--skip-mb`` leaves out storages larger than that from the ranking (they are listed apart).
@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import os
 import sys
+import warnings
 import weakref
 
 import torch
@@ -41,6 +43,8 @@ class LiveTensors(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
+        self.before = _storages_alive()
+        """Storages alive before the step: an op's view of one (a weight's ``t()``) is not counted."""
         self.live: dict[int, tuple[str, str, tuple, int]] = {}
         self.total = self.peak = 0
         self.at_peak: dict = {}
@@ -59,7 +63,7 @@ class LiveTensors(TorchDispatchMode):
                 continue
             storage = t.untyped_storage()
             key, n = storage.data_ptr(), storage.nbytes()
-            if n == 0 or key in self.live:
+            if n == 0 or key in self.live or key in self.before:
                 continue
             self.live[key] = ("forward" if node is None else type(node).__name__, func.__name__, tuple(t.shape), n)
             self.total += n
@@ -67,6 +71,27 @@ class LiveTensors(TorchDispatchMode):
             if self.total > self.peak:
                 self.peak, self.at_peak, self.peak_op = self.total, dict(self.live), func.__name__
         return out
+
+
+def _storages_alive() -> set[int]:
+    """The addresses of every tensor storage Python can reach now; each leaves the set when its
+    storage is freed (so a new storage at a reused address is counted)."""
+    alive: set[int] = set()
+    with warnings.catch_warnings():  # isinstance on deprecated module attributes warns
+        warnings.simplefilter("ignore")
+        tensors = [obj for obj in gc.get_objects() if isinstance(obj, torch.Tensor)]
+    for obj in tensors:
+        try:
+            if obj.device.type == "meta":
+                continue
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # tensors without a storage
+            continue
+        key = storage.data_ptr()
+        if key and key not in alive:
+            alive.add(key)
+            weakref.finalize(storage, alive.discard, key)
+    return alive
 
 
 def _terms(kind: str, P: int, features: tuple, N: int, skip_mb: float, top: int) -> dict:
