@@ -132,6 +132,31 @@ def longest_records(path: str) -> list[dict]:
     return out
 
 
+def predicted_longest(system: str, budget_mb: float, grain: int = 512, cap: int = 1 << 20) -> int | None:
+    """The longest N on ``longest.py``'s grid whose predicted step memory fits ``budget_mb``
+    (None: a system the planner does not cost)."""
+    if longest_inputs(system, grain) is None:
+        return None
+    N = 0
+    while N + grain <= cap and predict_step_mb(longest_inputs(system, N + grain)) <= budget_mb:
+        N += grain
+    return N
+
+
+def longest_rows(path: str) -> list[dict]:
+    """Each system's last searched longest N in ``path`` (longest.jsonl) beside the planner's, for
+    the systems the planner costs; a capped search gives a lower bound (``capped``)."""
+    with open(path) as f:
+        found = {r["system"]: r for r in map(json.loads, f) if r["kind"] == "longest"}
+    out = []
+    for name, r in found.items():
+        pred = predicted_longest(name, r["budget_mb"])
+        if pred is not None:
+            out.append(dict(system=name, P=r["P"], run=r.get("run"), measured_N=r["longest_N"], capped=r["capped"],
+                            predicted_N=pred, error=round(pred / r["longest_N"] - 1, 3)))
+    return out
+
+
 def record(N: int, P: int, measured: dict) -> dict:
     """One line of the validation file: the measurement, the plan's inputs, prediction and error."""
     inputs = plan_inputs(N, P)
@@ -178,6 +203,11 @@ def tables(docs: str) -> str:
         lines.append(f"| {name} | {rs[0]['P']} | {len(rs)} | {rs[0]['N']}-{rs[-1]['N']} | "
                      f"{rs[0]['measured_mb']:.0f}-{rs[-1]['measured_mb']:.0f} | "
                      f"{rs[0]['predicted_mb']:.0f}-{rs[-1]['predicted_mb']:.0f} | {lo:+.1%} .. {hi:+.1%} |")
+    lines += ["", "| system | P | run | longest N measured | predicted | error |", "|---|---|---|---|---|---|"]
+    for r in longest_rows(os.path.join(docs, "longest.jsonl")):
+        bound = ">= " if r["capped"] else ""
+        lines.append(f"| {r['system']} | {r['P']} | {r['run']} | {bound}{r['measured_N']} | {r['predicted_N']} | "
+                     f"{r['error']:+.1%}{' (a bound)' if r['capped'] else ''} |")
     return "\n".join(lines)
 
 

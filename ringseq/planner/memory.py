@@ -1,7 +1,8 @@
 """Per-rank memory: weights, gradients and optimizer state by ZeRO stage; a step's peak by phase.
 
 Letters of ``ringseq.shapes``; ``s`` local tokens of a rank, ``c`` tokens of a ring chunk, ``h``
-and ``k`` query and kv heads per rank, ``b`` bytes per element, G ranks that ZeRO shards over.
+and ``k`` query and kv heads per rank, ``b`` bytes per element, G ranks that ZeRO shards over,
+U the Ulysses degree and R the ranks of a ring (1: no ring).
 Activations are counted in elements per token and layer, as autograd's saved tensors of
 transformers' Llama show them (``layer_elements``); ``benchmarks/memory_profile.py`` measures
 them.
@@ -54,8 +55,9 @@ class _Layer:
     workspace: float
 
 
-def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool, host: bool) -> _Layer:
+def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, host: bool) -> _Layer:
     h, k, D = m.H / U, max(m.K / U, 1), m.D
+    ring = R > 1
     mlp_saved = 0 if f.tiled_mlp else 4 * m.F * b  # gate, up, silu(gate), product (a tiled MLP saves none)
     saved = (layer_elements(m) - 4 * m.F) * b + mlp_saved
     if ring:  # ringseq's ring keeps its log-sum-exp in fp64
@@ -65,12 +67,15 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, ring: bool
         kept = m.d * b + (m.H * D * b + m.H * LSE if ring else 0)
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
-        # dout's contiguous copy, dq (fp32), the kernel's dq; K/V: two receive sets (b); dK/dV
-        # (fp32): this step's, the kernel's, the sent ones in flight and the received set. On CPUs
-        # (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes transformers'
-        # layout), and the step adds into the received dK/dV, the sent ones already gone.
+        # dout's contiguous copy, dq (fp32), the kernel's dq; K/V: the receive sets (b), one
+        # where the ring makes one hop (R = 2), else two, used as they come from transformers'
+        # projections (``comm.wire``; after Ulysses' all-to-all, head-major, they are copied);
+        # dK/dV (fp32): this step's, the kernel's, the sent ones in flight and the received set.
+        # On CPUs (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes
+        # transformers' layout), and the step adds into the received dK/dV, the sent ones gone.
         dout_copy, dkv_pairs = (0, 2) if host else (b, 4)
-        attn = per_chunk * (h * D * (dout_copy + 2 * ACC) + k * D * (4 * b + 2 * dkv_pairs * ACC))
+        kv = 2 * (1 if R == 2 else 2) + (2 if U > 1 else 0)
+        attn = per_chunk * (h * D * (dout_copy + 2 * ACC) + k * D * (kv * b + 2 * dkv_pairs * ACC))
     else:  # the kernel's dq, dk, dv and dout's copy
         attn = h * D * 2 * b + 2 * k * D * b
     attn += m.H * D * b  # the gradient of the o_proj input
@@ -101,12 +106,12 @@ def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
     return dict(weights=weights, grads=grads, optimizer=optimizer)
 
 
-def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, R: int,
                 host: bool = False) -> dict[str, dict]:
     """What is alive at each moment of a training step's peak candidates (module docstring):
     {phase: {grads, activations, transient}} in bytes per rank."""
     B = f.micro_batch
-    ly = _layer(m, f, b, s, c, U, ring, host)
+    ly = _layer(m, f, b, s, c, U, R, host)
     grads = states(m, f, b, G)["grads"]
     head_grad = m.V * m.d * b  # the LM head's weight gradient
     layer_grad = (m.layer_params + 2 * m.d) * b
@@ -162,23 +167,23 @@ def _inference(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int) -> dic
                 kv_cache=kv_cache(m, b, s, B))
 
 
-def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+def activations(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, R: int,
                 host: bool = False) -> dict[str, float]:
     """Bytes alive at the step's peak: {grads, activations, transient, phase}; ``host``: ranks on
     CPUs (their kernels' workspace differs)."""
     if not f.training:
         return dict(_inference(m, f, b, s, c, U), phase="forward")
-    phases = step_phases(m, f, b, G, s, c, U, ring, host)
+    phases = step_phases(m, f, b, G, s, c, U, R, host)
     name = max(phases, key=lambda p: sum(phases[p].values()))
     return dict(phases[name], phase=name)
 
 
-def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, ring: bool,
+def per_rank(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, R: int,
              host: bool = False) -> dict[str, float]:
     """Every part in GiB at the step's peak (weights, optimizer state; the gradients, activations
     and workspace alive then), and ``total``."""
     st = states(m, f, b, G)
-    peak = activations(m, f, b, G, s, c, U, ring, host)
+    peak = activations(m, f, b, G, s, c, U, R, host)
     parts = dict(weights=st["weights"], optimizer=st["optimizer"], grads=peak["grads"],
                  activations=peak["activations"], transient=peak["transient"], kv_cache=peak.get("kv_cache", 0.0))
     parts = {k: v / GB for k, v in parts.items()}

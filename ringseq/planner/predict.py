@@ -139,7 +139,7 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     step = max(compute, collective + optimizer)
     ideal = La * ring.ideal_s + rec["ideal_s"] + m.L * dense + head + optimizer
     exposed = La * (ring.exposed_s + a2a) + rec["exposed_s"] + max(0.0, collective + optimizer - compute)
-    mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, ring=R > 1, host=hw.name == "cpu")
+    mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, R, host=hw.name == "cpu")
     return ModeEstimate(name=mode_name(R, U), ring=R, ulysses=U, step_time_s=step, efficiency=ideal / step,
                         exposed_comm_s=exposed, memory_per_rank_gb=mem["total"],
                         memory_gb={k: v for k, v in mem.items() if k != "total"}, ring_crosses_nodes=crosses,
