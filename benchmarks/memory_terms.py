@@ -3,18 +3,19 @@
 For each system of ``benchmarks/longest.py`` (``kind:P[:features]``, its contenders) one process
 tree runs a warm-up step, then one forward + backward under a ``TorchDispatchMode`` that records
 every tensor storage an operator returns (bytes, shape, the autograd node running, when known)
-and drops it when the storage is freed (the last tensor or view on it). At the moment the recorded bytes peak it reports, on rank
-0, the live storages grouped by (autograd node, operator, shape), largest first, in MB. Storages
-that exist before the step (parameters, optimizer state, DeepSpeed's flat buffers), and views of
-them, are not counted; gradients and buffers made during it are. A view of a larger storage counts the storage once. Live bytes are not the
-resident set (``longest.py`` measures that): an allocation whose pages are never touched (DeepSpeed
-allocates its reduce bucket, 5e8 elements by default, at full size) counts here whole, so
-``--skip-mb`` leaves out storages larger than that from the ranking (they are listed apart).
+and drops it when the storage is freed (the last tensor or view on it goes). At the moment the
+recorded bytes peak it reports, on rank 0, the live storages grouped by (autograd node, operator,
+shape), largest first, in MB. Storages that exist before the step (parameters, optimizer state,
+DeepSpeed's flat buffers), and views of them, are not counted; gradients and buffers made during
+it are. A view of a larger storage counts the storage once. Live bytes are not the resident set
+(``longest.py`` measures that): an allocation whose pages are never touched (DeepSpeed allocates
+its reduce bucket, 5e8 elements by default, at full size) counts here whole, so ``--skip-mb``
+leaves out storages larger than that from the ranking (they are listed apart).
 
 Evidence for where a configuration's peak is and which terms grow with N (run two N and compare),
 not a figure of merit. Usage::
 
-    python benchmarks/memory_terms.py --systems ringseq:2:loss,ckpt,tiled alst:2 --N 4096 8192
+    python benchmarks/memory_terms.py --systems ringseq:2:loss,ckpt,tiled alst:2 --N 20480
 """
 from __future__ import annotations
 
