@@ -112,10 +112,10 @@ def travels_as_is(t: torch.Tensor) -> bool:
 
 
 class Transfer:
-    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int, flips=()):
+    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int, flips: list[bool]):
         self._comm, self._works, self._received, self._sent = comm, works, received, sent
         self._step, self._peer = step, peer  # the send buffers stay alive until the transfer is done
-        self._flips = list(flips)
+        self._flips = flips
         """Per tensor: sent as its transpose(1, 2), so the received one is viewed back the same way."""
 
     def wait(self) -> list[torch.Tensor]:
@@ -128,4 +128,4 @@ class Transfer:
         self._sent = None
         *received, status = self._received
         torch.maximum(comm.status, status, out=comm.status)
-        return [r.transpose(1, 2) if flip else r for r, flip in zip(received, self._flips + [False] * len(received))]
+        return [r.transpose(1, 2) if flip else r for r, flip in zip(received, self._flips, strict=True)]
