@@ -48,7 +48,7 @@ def main(steps: int = 4, seq_len: int = 1024) -> None:
         optimizer.zero_grad()
         accelerator.print(f"step {step}: loss {loss.item():.4f} (sp {sp.size}, replicas {sp.dp_size}, "
                           f"{accelerator.distributed_type.value})")
-    accelerator.end_training()  # destroys the process group: no gloo threads left running at exit
+    accelerator.end_training()  # destroys the process group (ringseq.init made the exit wait for gloo's threads)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,11 @@ benchmarks all use these.
 """
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import sys
+import time
 
 
 def free_port() -> int:
@@ -20,14 +22,39 @@ def free_port() -> int:
 
 
 def exit_now(code: int = 0) -> None:
-    """End a launched job without interpreter teardown. With torch 2.13 on this CPU machine a
-    2-process gloo job that has imported ``torch._dynamo`` (DeepSpeed and transformers do) aborts
-    at exit in about 1 run of 3 ("terminate called without an active exception", even after
-    destroy_process_group; without the import it does not): our jobs and test scripts flush and
-    leave with ``os._exit`` once their work and checks are done."""
+    """End a process without interpreter teardown, once its work and checks are done: our test
+    scripts and launched test jobs leave this way (no finalization to race, no teardown time).
+    A user's job exits normally; ``settle_at_exit`` keeps that exit clean."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+SETTLE_S = 0.2  # how long the interpreter hands the GIL to torch's threads before it finalizes
+_settling = False
+
+
+def settle_at_exit() -> None:
+    """Let torch's communication threads finish before the interpreter finalizes (registered
+    once, by ``ringseq.init``). A gloo worker thread frees a finished collective's work after
+    the caller has its result; a collective issued during a backward pass holds a Python object
+    (autograd stashes a context in the thread-local state that each work copies), so that free
+    needs the GIL. A worker that reaches the GIL after ``Py_FinalizeEx`` has begun is ended by
+    Python with ``pthread_exit`` inside C++ code: "terminate called without an active exception"
+    and SIGABRT, after the job's work is done (measured here: 1 accelerate run of 5-6; pytorch
+    issue 190489). At exit, while the interpreter is whole, this collects garbage and sleeps
+    ``SETTLE_S`` with the GIL released, so the workers take it and finish (0 aborts in 20)."""
+    global _settling
+    if not _settling:
+        atexit.register(_settle)
+        _settling = True
+
+
+def _settle() -> None:
+    import gc
+
+    gc.collect()
+    time.sleep(SETTLE_S)
 
 
 def join_gloo(rank: int, world: int, port: int, threads: int | None = None) -> None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from .config import RingSeqConfig, from_env
 from .errors import RingSeqError
 from .process_group import ensure_process_group, node_key
+from .processes import settle_at_exit
 
 AXES = ("data", "ring", "ulysses")
 
@@ -168,6 +169,7 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
                            "timeout), not both")
     config = config or given
     ensure_process_group(backend)
+    settle_at_exit()
     world, me = dist.get_world_size(), dist.get_rank()
     config.check_world(world)
     sp_size, ulysses_size, layout = config.sp_size or world, config.ulysses_size, config.layout

@@ -47,3 +47,28 @@ def test_device_is_bound_before_the_group_exists(monkeypatch):
     pg.ensure_process_group()
     assert calls == [("set_device", torch.device("cuda", 2)),
                      ("init_process_group", {"backend": "nccl", "device_id": torch.device("cuda", 2)})]
+
+
+_LATE_THREAD = """
+import sys, threading, time
+import ringseq
+from ringseq.process_group import ensure_process_group
+ringseq.init() if sys.argv[1] == "init" else ensure_process_group(None)
+threading.Thread(target=lambda: (time.sleep(0.1), print("finished", flush=True)), daemon=True).start()
+"""
+
+
+def test_after_init_the_exit_lets_threads_that_need_the_gil_finish():
+    """What a gloo worker freeing its last work does at exit: take the GIL a little after the
+    main thread is done. After ``ringseq.init`` the exit waits for it (``settle_at_exit``); a
+    bare process group's exit finalizes first and the thread never runs again (the control)."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", _LATE_THREAD, mode], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    assert run("init") == "finished\n"
+    assert run("bare") == ""
