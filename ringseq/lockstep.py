@@ -287,7 +287,7 @@ def at_layer() -> str:
     return f" (layer {current_layer()})" if current_layer() >= 0 else ""
 
 
-FLOAT_FIELDS = {"scale", "softcap", "window", "slab_rows"}
+FLOAT_FIELDS = {"scale", "softcap", "window", "slab_rows", "head_groups"}
 
 
 def _mismatch(rows: torch.Tensor, names: list[str], hint: str, behind: bool) -> str:

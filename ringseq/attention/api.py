@@ -57,7 +57,8 @@ def token_info(sp, position_ids: torch.Tensor | None = None, attention_mask: tor
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, causal: bool = True,
                    scale: float | None = None, position_ids=None, window=None, softcap=None,
                    sinks=None, attention_mask=None, token_info: TokenInfo | None = None,
-                   kernel: str | None = None, slab_rows: int | None = None) -> torch.Tensor:
+                   kernel: str | None = None, slab_rows: int | None = None,
+                   head_groups: int | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole (global) sequence.
 
     q [B,H,s,D], k [B,K,s,D], v [B,K,s,Dv] (H % K == 0; K/V cross the wire at K heads; v's head
@@ -80,6 +81,12 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                   cannot compute (a mask or softcap it does not take).
     slab_rows     query rows per kernel slab (bounds masks and scores to slab_rows x keys);
                   None: each backend's default.
+    head_groups   rings per call, run one after the other, each over an equal share of the kv
+                  heads the ring holds (under Ulysses: this rank's after the all-to-all) and
+                  their query heads; it must divide those kv heads. Only one group's travelling
+                  K/V blocks, dK/dV accumulators and kernel gradients exist at a time, for
+                  (P-1) x groups transfers of 1/groups the size. None: one kv head per group;
+                  1: one ring over every head.
 
     Under ``torch.autocast`` q, k and v are cast to the autocast dtype first, as
     ``scaled_dot_product_attention`` does (a model's rotary embedding typically hands over fp32
@@ -93,17 +100,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
         with torch.autocast(device, enabled=False):
             return ring_attention(q, k, v, sp=sp, causal=causal, scale=scale, position_ids=position_ids, window=window,
                                   softcap=softcap, sinks=sinks, attention_mask=attention_mask, token_info=token_info,
-                                  kernel=kernel, slab_rows=slab_rows)
+                                  kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
     check_sp(sp)
     fields = call_record(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
                          position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
-                         kernel=kernel, slab_rows=slab_rows)
+                         kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
     number = lockstep.agree(sp, "ring_attention forward", fields)  # before anything can fail on one rank only
     layer = lockstep.current_layer()
     label = f"ring_attention #{number}" + (f" (layer {layer})" if layer >= 0 else "")
     # The ranks agreed on every argument: a check that fails now fails on every rank alike (still in step)
     opts = _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info,
-                    kernel, slab_rows, label, number)
+                    kernel, slab_rows, label, number, head_groups)
     try:
         out = _run(q, k, v, sinks, sp, opts)
     except BaseException as exc:
@@ -131,9 +138,10 @@ class AgreeInBackward(torch.autograd.Function):
 
 
 def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info, kernel,
-             slab_rows, label, number) -> RingOptions:
+             slab_rows, label, number, head_groups=None) -> RingOptions:
     check_tensors(q, k, v, sinks)
     check_shapes(q, k, v, sp)
+    groups = _head_groups(q.size(1), k.size(1), sp.ulysses_size, head_groups)
     check_features(q, causal, scale, window, softcap, sinks)
     if token_info is None:
         token_info = _token_info_or_none(sp, position_ids, attention_mask)
@@ -148,7 +156,21 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
                        causal=bool(causal), scale=scale, kernel=kernel,
                        window=None if window is None else int(window),
                        softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,
-                       sp=sp, label=label, kept=keep.current(), numbers=CallNumbers(forward=number))
+                       sp=sp, label=label, kept=keep.current(), numbers=CallNumbers(forward=number),
+                       head_groups=groups)
+
+
+def _head_groups(H: int, K: int, U: int, groups: int | None) -> int:
+    """The head groups of each ring call: a divisor of the kv heads the ring holds (under Ulysses
+    its share of them, after the copies that give every Ulysses rank one)."""
+    ring_kv = max(K, U) // U if U > 1 else K
+    if groups is None:
+        return ring_kv
+    if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or ring_kv % groups:
+        where = f" (this rank's share under Ulysses {U} of {K})" if U > 1 else ""
+        raise RingSeqError(f"head_groups must be a positive integer dividing the {ring_kv} kv heads the ring "
+                           f"holds{where}; got {groups!r}. None runs one ring per kv head, 1 one ring for all")
+    return groups
 
 
 def _run(q, k, v, sinks, sp, opts: RingOptions):

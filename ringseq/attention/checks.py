@@ -89,7 +89,7 @@ def _number_bits(x) -> int:
 
 
 def call_record(q, k, v, *, causal, scale, window, softcap, sinks, position_ids, attention_mask, token_info,
-                kernel, slab_rows) -> dict[str, int]:
+                kernel, slab_rows, head_groups=None) -> dict[str, int]:
     """Everything about a ``ring_attention`` call that every rank of the group must share."""
     fields = {**tensor_fields("q", q), **tensor_fields("k", k), **tensor_fields("v", v)}
     fields.update({
@@ -97,6 +97,7 @@ def call_record(q, k, v, *, causal, scale, window, softcap, sinks, position_ids,
         "softcap": _number_bits(softcap), "sinks": dtype_code(sinks),
         "kernel": -1 if kernel is None else (KERNELS.index(kernel) if kernel in KERNELS else 99),
         "slab_rows": -1 if slab_rows is None else _number_bits(slab_rows),
+        "head_groups": -1 if head_groups is None else _number_bits(head_groups),
         **tensor_fields("position_ids", position_ids), **tensor_fields("attention_mask", attention_mask),
         "token_info": -1 if token_info is None else token_checksum(token_info),
     })

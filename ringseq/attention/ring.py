@@ -15,6 +15,13 @@ it: each rank adds its contribution to the accumulator it received and passes it
 the last step one transfer sends every accumulator home (for T = P that is the next rank).
 Only the K kv heads cross the wire, never copies repeated to H heads.
 
+A call runs one such ring per head group (``RingOptions.head_groups``; ``ring_attention``'s
+default: one per kv head, with its query heads), one after the other, into one output, log-sum-exp
+and gradient each (``forward_by_heads``, ``backward_by_heads``): the blocks, receive buffers, dK/dV
+accumulators and kernel gradients of one group exist at a time, a group's share of the memory
+the backward's peak held for all heads at once; the transfers are as many times more, each as
+much smaller. The groups share the call's schedule.
+
 Sinks (one logit per head in every softmax denominator, gpt-oss) need no kernel support: they
 are folded into the merged log-sum-exp once, after the ring, and the blockwise backward with
 that log-sum-exp is exact; their own gradient is -sum_i p_sink(i) * <dout_i, out_i>.
@@ -74,6 +81,9 @@ class RingOptions:
     transport: object = RingComm
     """What carries the blocks: ``RingComm`` (torch.distributed point-to-point) or any class with
     its constructor and ``post``/``fail``/``failed`` (the GPU check passes a virtual ring of threads)."""
+    head_groups: int = 1
+    """Rings per call, each over an equal share of the kv heads (and their query heads), one after
+    the other (``RingAttention``); must divide the kv heads the ring holds."""
 
     @property
     def P(self) -> int:
@@ -83,11 +93,17 @@ class RingOptions:
 class _Schedule:
     """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
 
-    def __init__(self, q, opts: RingOptions, number: int):
+    def __init__(self, q, opts: RingOptions, number: int, like: "_Schedule | None" = None):
+        """``like``: the schedule of another head group of the same call, whose plan and prepared
+        calls (they depend on the tokens, not the heads) this one reuses with a transport of its
+        own; keep such a schedule with ``shared()``, which drops its transport and buffers."""
         B, _, s, _ = q.shape
         self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
-        plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
-        self.steps, self.plan = plan.steps, plan.calls
+        if like is None:
+            plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
+            self.steps, self.plan = plan.steps, plan.calls
+        else:
+            self.steps, self.plan = like.steps, like.plan
         self.comm = None
         self.clock = Clock(opts.sp)
         if self.steps > 1:
@@ -98,11 +114,19 @@ class _Schedule:
         self.work: list[list] = [[] for _ in self.plan]
         """(call, kernel, spec) per step: a backend per call and its device metadata, all before the loop."""
         try:
-            self.work = [[self._prepare(q, pc) for pc in step] for step in self.plan]
+            if like is not None and like.error is not None:
+                raise like.error
+            self.work = like.work if like is not None else [[self._prepare(q, pc) for pc in step] for step in self.plan]
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
             self.error = exc
             if self.comm is not None:
                 self.comm.fail()
+
+    def shared(self) -> "_Schedule":
+        """This schedule without its transport: what the next head group reuses."""
+        twin = object.__new__(_Schedule)
+        twin.steps, twin.plan, twin.work, twin.error = self.steps, self.plan, self.work, self.error
+        return twin
 
     def _prepare(self, q, pc):
         o = self.opts
@@ -128,7 +152,6 @@ class _Schedule:
 
     def finish(self) -> None:
         """Raise this rank's own failure, or a peer's, now that every transfer is done."""
-        self.clock.book.calls += 1
         if self.error is not None:
             lockstep.mark_failed(self.opts.sp, f"{self.opts.label}: {type(self.error).__name__}: {self.error}")
             raise self.error
@@ -165,9 +188,13 @@ def _fold_sinks(out, lse, sinks):
     lse.copy_(new)
 
 
-def ring_forward(q, k, v, sinks, opts: RingOptions):
-    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel)."""
-    sched = _Schedule(q, opts, opts.numbers.forward)
+def ring_forward(q, k, v, sinks, opts: RingOptions, like: _Schedule | None = None, schedules: list | None = None):
+    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel). ``like``: an
+    earlier head group's schedule to reuse (``_Schedule.shared``); ``schedules``: a list this
+    call's schedule is put in when it is empty, for the next groups."""
+    sched = _Schedule(q, opts, opts.numbers.forward, like)
+    if schedules is not None and not schedules:
+        schedules.append(sched.shared())
     B, H, s, D = q.shape
     acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
@@ -224,10 +251,15 @@ def _accumulate(total, rows: slice, grad, like: torch.Tensor, dtype, travels: bo
     return total
 
 
-def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
-    """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64)."""
+def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_into=None, like=None, schedules=None):
+    """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64).
+    ``dq_into``: a tensor of q's shape in the accumulation dtype that dq is summed into (and
+    returned as): a head group's share of the whole dq (``backward_by_heads``); ``like`` and
+    ``schedules`` as for ``ring_forward``."""
     opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
-    sched = _Schedule(q, opts, opts.numbers.backward)
+    sched = _Schedule(q, opts, opts.numbers.backward, like)
+    if schedules is not None and not schedules:
+        schedules.append(sched.shared())
     acc = acc_dtype(q)
     # The gradient arrives as a [B,H,s,D] view of [B,s,H,D] memory (transformers' layout). The
     # CPU flash kernel works in that layout and copies a contiguous dout back into it, so on CPU
@@ -237,7 +269,8 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     # A row that sees no key at all (lse -inf) has output 0 and passes no gradient; +inf
     # makes every exp(score - lse) of that row exactly 0 instead of nan.
     lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq = dk = dv = None
+    dq = None if dq_into is None else dq_into.zero_()
+    dk = dv = None
     kv, travelling = (_uncopied(k), _uncopied(v)), None
 
     def work(call, kernel, spec):
@@ -289,9 +322,62 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
 
 
+def head_groups(H: int, K: int, groups: int):
+    """(query heads, kv heads) slices of each of ``groups`` equal head groups: kv head j serves
+    query heads j*H/K .. (j+1)*H/K - 1 (GQA), so a group of kv heads takes its query heads along."""
+    per, rep = K // groups, H // K
+    return [(slice(g * per * rep, (g + 1) * per * rep), slice(g * per, (g + 1) * per)) for g in range(groups)]
+
+
+def forward_by_heads(q, k, v, sinks, opts: RingOptions):
+    """``ring_forward`` once per head group (``RingOptions.head_groups``), into one output and
+    log-sum-exp: only one group's K/V blocks, receive buffers and accumulators exist at a time.
+    Returns (out, lse, one aux per group)."""
+    Clock(opts.sp).book.calls += 1
+    if opts.head_groups == 1:
+        out, lse, aux = ring_forward(q, k, v, sinks, opts)
+        return out, lse, [aux]
+    B, H, s, D = q.shape
+    out = torch.empty((B, s, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # transformers' layout
+    lse = torch.empty((B, H, s), dtype=LSE, device=q.device)
+    auxes, schedules = [], []
+    for hq, hk in head_groups(H, k.size(1), opts.head_groups):
+        o, l, a = ring_forward(q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq], opts,
+                               like=schedules[0] if schedules else None, schedules=schedules)
+        out[:, hq] = o
+        lse[:, hq] = l
+        auxes.append(a)
+        del o, l
+    return out, lse, auxes
+
+
+def backward_by_heads(dout, q, k, v, sinks, out, lse, auxes, opts: RingOptions):
+    """``ring_backward`` once per head group, into whole dq, dk, dv (and dsinks): one group's
+    travelling blocks, dK/dV accumulators and kernel gradients exist at a time."""
+    Clock(opts.sp).book.calls += 1
+    if opts.head_groups == 1:
+        return ring_backward(dout, q, k, v, sinks, out, lse, auxes[0], opts)
+    grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dsinks = None if sinks is None else torch.empty_like(sinks)
+    direct = q.dtype == acc_dtype(q)  # dq is summed into its share of the whole: no group-sized accumulator
+    schedules = []
+    for (hq, hk), aux in zip(head_groups(q.size(1), k.size(1), opts.head_groups), auxes, strict=True):
+        gq, gk, gv, gs = ring_backward(dout[:, hq], q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq],
+                                       out[:, hq], lse[:, hq], aux, opts, dq_into=grads[0][:, hq] if direct else None,
+                                       like=schedules[0] if schedules else None, schedules=schedules)
+        if not direct:
+            grads[0][:, hq] = gq
+        grads[1][:, hk] = gk
+        grads[2][:, hk] = gv
+        if gs is not None:
+            dsinks[hq] = gs
+        del gq, gk, gv
+    return (*grads, dsinks)
+
+
 class RingAttention(torch.autograd.Function):
-    """Forward: up to P-1 point-to-point K/V hops around the ring, overlapped with block
-    compute; none when a checkpointed layer is recomputed (``opts.kept`` hands back what its
+    """Forward: up to P-1 point-to-point K/V hops around the ring per head group, overlapped with
+    block compute; none when a checkpointed layer is recomputed (``opts.kept`` hands back what its
     first forward computed). Backward: the same K/V hops again, plus the fp32 dK/dV
     accumulators travelling with them and one final hop home."""
 
@@ -301,7 +387,7 @@ class RingAttention(torch.autograd.Function):
         if kept is not None:
             out, lse, aux = kept
         else:
-            out, lse, aux = ring_forward(q, k, v, sinks, opts)
+            out, lse, aux = forward_by_heads(q, k, v, sinks, opts)
             if opts.kept is not None:
                 opts.kept.put(out, lse, aux)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
@@ -311,4 +397,4 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        return (*ring_backward(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)
+        return (*backward_by_heads(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)

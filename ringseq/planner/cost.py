@@ -50,8 +50,11 @@ def step_shares(R: int, layout: str, causal: bool) -> list[float]:
 def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: str = "zigzag", causal: bool = True,
                training: bool = True, inter: bool = False, slowdown: float = 1.0, batch: int = 1) -> RingTime:
     """Ring (x Ulysses) attention of one layer; ``inter``: the ring crosses nodes; ``slowdown``:
-    compute time multiplier (ranks sharing cores)."""
+    compute time multiplier (ranks sharing cores). One ring per kv head the rank holds
+    (``ring_attention``'s head_groups default), one after the other: the same bytes and blocks,
+    each step's transfers made k times, so k link latencies per step."""
     c, h, k, b = S / R, m.H / U, max(m.K / U, 1), hw.bytes
+    groups = int(k)
     full = 4 * c * c * h * m.D * batch
     diagonal = 4 * c * min(hw.causal_tile, c) / 2 * h * m.D * batch  # whole tiles on the diagonal
     bw, lat = hw.link(inter)
@@ -66,7 +69,7 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
     time = exposed = ideal = 0.0
     for rate, flops, wire, merge in passes:
         wire, merge = wire * batch, merge * batch
-        comm = lat + wire / bw if R > 1 else 0.0
+        comm = groups * lat + wire / bw if R > 1 else 0.0
         for t, share in enumerate(shares):
             work = share * full + (diagonal if t == 0 and causal else 0.0)
             compute = factor * (work * flops / rate + (merge / hbm if t else 0.0))
@@ -75,7 +78,7 @@ def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: st
             exposed += max(0.0, transfer - compute)
         ideal += (0.5 if causal else 1.0) * 4 * S * S * h * m.D * batch * flops / rate / R
     if training and R > 1:  # the dK/dV accumulators go home after the last step
-        home = lat + 2 * c * k * m.D * 4 * batch / bw
+        home = groups * lat + 2 * c * k * m.D * 4 * batch / bw
         time += home
         exposed += home
     if R > 1:  # fixed cost of a ring call (forward alone: a third of forward + backward)

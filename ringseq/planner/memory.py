@@ -67,15 +67,23 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, ho
         kept = m.d * b + (m.H * D * b + m.H * LSE if ring else 0)
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
-        # dout's contiguous copy, dq (fp32), the kernel's dq; K/V: the receive sets (b), one
-        # where the ring makes one hop (R = 2), else two, used as they come from transformers'
-        # projections (``comm.wire``; after Ulysses' all-to-all, head-major, they are copied);
-        # dK/dV (fp32): this step's, the kernel's, the sent ones in flight and the received set.
-        # On CPUs (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes
+        # One ring per kv head (``ring_attention``'s head_groups default), one after the other:
+        # what a ring holds is one group's, g = k of them. The group's dout (its contiguous copy
+        # off CPUs), dq and the kernel's dq; K/V: the receive sets (b), one where the ring makes one
+        # hop (R = 2), else two (a group's heads are copied out of transformers' layout for the
+        # wire, ``comm.wire``, as are all heads after Ulysses' head-major all-to-all); dK/dV
+        # (fp32): this step's, the kernel's, the sent ones in flight and the received set. On
+        # CPUs (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes
         # transformers' layout), and the step adds into the received dK/dV, the sent ones gone.
+        # Beside the group's: the whole dq (a group's dq sums into its share when q is fp32) and
+        # the earlier groups' dK/dV, in the input dtype.
+        g = max(int(k), 1)
         dout_copy, dkv_pairs = (0, 2) if host else (b, 4)
-        kv = 2 * (1 if R == 2 else 2) + (2 if U > 1 else 0)
-        attn = per_chunk * (h * D * (dout_copy + 2 * ACC) + k * D * (kv * b + 2 * dkv_pairs * ACC))
+        kv = 2 * (1 if R == 2 else 2) + (2 if U > 1 else 0) + (2 if g > 1 and U == 1 else 0)
+        group_dq = 0 if b == ACC and g > 1 else ACC  # its own accumulator, unless it sums into the whole
+        whole = h * D * b * (g > 1) + 2 * k * D * b * (g - 1) / g
+        attn = per_chunk * (h / g * D * (dout_copy + ACC + group_dq) + k / g * D * (kv * b + 2 * dkv_pairs * ACC)
+                            + whole)
     else:  # the kernel's dq, dk, dv and dout's copy
         attn = h * D * 2 * b + 2 * k * D * b
     attn += m.H * D * b  # the gradient of the o_proj input

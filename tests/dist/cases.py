@@ -20,31 +20,50 @@ def make_qkv(B, H, K, S, D, seed=0):
     return q, k, v, dout
 
 
-def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0, slab_rows=None):
+def check_attention(sp, *, B, H, K, S, D, dtype, causal, kernel=None, seed=0, slab_rows=None, head_groups=None):
     """ringseq's out, dq, dk, dv on this rank's shard vs the float64 full-sequence reference."""
     q, k, v, dout = make_qkv(B, H, K, S, D, seed)
     ref = attention(q, k, v, dout, causal=causal, sdpa=True)[:4]
     plain = attention(*(t.to(dtype) for t in (q, k, v, dout)), causal=causal, sdpa=True)[:4]
     local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
-    out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel, slab_rows=slab_rows)
+    out = ringseq.ring_attention(*local, sp=sp, causal=causal, kernel=kernel, slab_rows=slab_rows,
+                                 head_groups=head_groups)
     out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
-    case = f"rank {sp.rank}/{sp.size} {sp.layout} {dtype} causal={causal} B{B} H{H} K{K} S{S} D{D} {kernel} slab {slab_rows}"
+    case = (f"rank {sp.rank}/{sp.size} {sp.layout} {dtype} causal={causal} B{B} H{H} K{K} S{S} D{D} {kernel} "
+            f"slab {slab_rows} head_groups {head_groups}")
     for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
         assert_shards_close(got, p, r, f"{name} [{case}]", sp=sp)
 
 
 def attention_matrix(layout, kernel=None):
-    """Every dtype x causal x head mode, head dims, batch sizes and slab sizes cycled, on one
-    layout (a slab of 5 rows makes the kernels' slab loops run several times, a partial last one)."""
+    """Every dtype x causal x head mode, head dims, batch sizes, slab sizes and head groups cycled,
+    on one layout (a slab of 5 rows makes the kernels' slab loops run several times, a partial last
+    one; head groups: one per kv head by default, one for all, or two)."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     heads = [(8, 8), (8, 2), (8, 1)]
     dims = itertools.cycle([32, 64, 128])
     batches = itertools.cycle([1, 2])
     slab = itertools.cycle([None, 5])
+    groups = itertools.cycle([None, 1, 2])
     for dtype, causal, (H, K) in itertools.product(DTYPES.values(), (True, False), heads):
+        g = next(groups)
         check_attention(sp, B=next(batches), H=H, K=K, S=16 * world, D=next(dims), dtype=dtype,
-                        causal=causal, kernel=kernel, seed=H + K, slab_rows=next(slab))
+                        causal=causal, kernel=kernel, seed=H + K, slab_rows=next(slab),
+                        head_groups=g if g is None or K % g == 0 else None)
+
+
+def head_group_refusals():
+    """head_groups that do not divide the ring's kv heads are refused on every rank, before any transfer."""
+    import pytest
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    q, k, v, _ = make_qkv(1, 8, 2, 8 * world, 16)
+    local = [ringseq.shard(t.float(), 2, sp=sp) for t in (q, k, v)]
+    for bad in (3, 4, 0, True, 1.0):
+        with pytest.raises(ringseq.RingSeqError, match="head_groups must be a positive integer dividing the 2 kv"):
+            ringseq.ring_attention(*local, sp=sp, head_groups=bad)
 
 
 def head_dims(layout):
@@ -56,7 +75,8 @@ def head_dims(layout):
 
 def traffic(layout, dtype_name):
     """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward; each
-    transfer also carries the 8-byte status integer (a peer's failure, ``ringseq.attention.comm``)."""
+    transfer also carries the 8-byte status integer (a peer's failure, ``ringseq.attention.comm``).
+    With head groups (default: one per kv head) each group's ring moves its share of the heads."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     dtype = DTYPES[dtype_name]
@@ -64,26 +84,28 @@ def traffic(layout, dtype_name):
     s = S // world
     q, k, v, dout = make_qkv(B, H, K, S, D)
     local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
-    sent, real = [], dist.batch_isend_irecv
+    for head_groups, groups in ((None, K), (1, 1), (2, 2)):
+        sent, real = [], dist.batch_isend_irecv
 
-    def counting(ops):
-        sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
-        return real(ops)
+        def counting(ops):
+            sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
+            return real(ops)
 
-    dist.batch_isend_irecv = counting
-    try:
-        out = ringseq.ring_attention(*local, sp=sp)
-        forward_steps = list(sent)
-        out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
-    finally:
-        dist.batch_isend_irecv = real
-    block = B * K * s * D
-    status = 8
-    kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size() + status
-    assert forward_steps == [kv_bytes] * (world - 1), (forward_steps, kv_bytes)
-    backward_steps = sorted(sent[len(forward_steps):])
-    expected = sorted([kv_bytes] * (world - 1) + ([2 * block * 4 + status] * world if world > 1 else []))
-    assert backward_steps == expected, (backward_steps, expected)
+        dist.batch_isend_irecv = counting
+        try:
+            out = ringseq.ring_attention(*local, sp=sp, head_groups=head_groups)
+            forward_steps = list(sent)
+            out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
+        finally:
+            dist.batch_isend_irecv = real
+        block = B * (K // groups) * s * D
+        status = 8
+        kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size() + status
+        assert forward_steps == [kv_bytes] * ((world - 1) * groups), (head_groups, forward_steps, kv_bytes)
+        backward_steps = sorted(sent[len(forward_steps):])
+        expected = sorted([kv_bytes] * ((world - 1) * groups) + ([2 * block * 4 + status] * world * groups
+                                                                 if world > 1 else []))
+        assert backward_steps == expected, (head_groups, backward_steps, expected)
 
 
 def shard_gather_roundtrip(layout):

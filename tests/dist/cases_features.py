@@ -248,7 +248,7 @@ def refuses_features():
 
 def window_skips_ring_steps():
     """A window shorter than a shard under the contiguous layout is a neighbour exchange:
-    one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home. Documents
+    one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home (per head group). Documents
     that never cross a shard boundary need no transfer at all."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout="contiguous")
@@ -273,6 +273,7 @@ def window_skips_ring_steps():
             out.backward(ringseq.shard(dout, 2, sp=sp))
             if world == 1:  # a ring of one never transfers
                 fwd_hops = bwd_hops = 0
+            fwd_hops, bwd_hops = fwd_hops * K, bwd_hops * K  # a ring per kv head (head_groups' default)
             assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
     finally:
         dist.batch_isend_irecv = real

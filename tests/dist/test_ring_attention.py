@@ -11,6 +11,10 @@ def test_matches_reference(pool, layout):
     pool.run(cases.attention_matrix, layout)
 
 
+def test_head_groups_that_do_not_divide_the_kv_heads_are_refused(pool):
+    pool.run(cases.head_group_refusals)
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_head_dims(pool, layout):
     pool.run(cases.head_dims, layout)

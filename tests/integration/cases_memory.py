@@ -82,9 +82,11 @@ def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=Fals
     assert model._ringseq_patch.offload == offload
     loss, grads, posts, forwards = backward_counts(model, batch)
     where = f"{family} checkpointed tiled_mlp={tiled_mlp} reentrant={reentrant} rank {sp.rank}/{world}"
-    layers = model.config.num_hidden_layers
-    replayed = (world - 1) * layers if keep is False else 0  # a causal ring forward posts P-1 times
-    assert (posts, forwards, plain_forwards) == (plain_posts + replayed, 0 if keep else layers, 0), \
+    config = model.config.get_text_config()
+    layers = config.num_hidden_layers
+    rings = layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)  # one per kv head
+    replayed = (world - 1) * rings if keep is False else 0  # a causal ring forward posts P-1 times
+    assert (posts, forwards, plain_forwards) == (plain_posts + replayed, 0 if keep else rings, 0), \
         (where, posts, plain_posts, forwards)
     assert world == 1 or posts > 0, where
     check_against(refs, loss, grads, sp, where)
