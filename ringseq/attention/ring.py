@@ -93,10 +93,13 @@ class RingOptions:
 class _Schedule:
     """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
 
-    def __init__(self, q, opts: RingOptions, number: int, like: "_Schedule | None" = None):
+    def __init__(self, q, opts: RingOptions, number: int, like: "_Schedule | None" = None,
+                 failed: BaseException | None = None):
         """``like``: the schedule of another head group of the same call, whose plan and prepared
         calls (they depend on the tokens, not the heads) this one reuses with a transport of its
-        own; keep such a schedule with ``shared()``, which drops its transport and buffers."""
+        own; keep such a schedule with ``shared()``, which drops its transport and buffers.
+        ``failed``: an earlier group's failure (this rank's or a peer's): this ring makes its
+        transfers, flagged failed so every peer learns of it, and computes nothing."""
         B, _, s, _ = q.shape
         self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
         if like is None:
@@ -109,23 +112,25 @@ class _Schedule:
         if self.steps > 1:
             self.comm = opts.transport(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock, q.device,
                                        tag=number)
-        self.error: BaseException | None = None
+        self.error: BaseException | None = failed
         """The exception this rank's block compute raised; the ring's transfers go on without compute."""
+        self.inherited = failed is not None
+        """Whether ``error`` is an earlier group's (already reported)."""
         self.work: list[list] = [[] for _ in self.plan]
         """(call, kernel, spec) per step: a backend per call and its device metadata, all before the loop."""
         try:
-            if like is not None and like.error is not None:
-                raise like.error
-            self.work = like.work if like is not None else [[self._prepare(q, pc) for pc in step] for step in self.plan]
+            if failed is None:
+                self.work = like.work if like is not None else [[self._prepare(q, pc) for pc in step]
+                                                                for step in self.plan]
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
             self.error = exc
-            if self.comm is not None:
-                self.comm.fail()
+        if self.error is not None and self.comm is not None:
+            self.comm.fail()
 
     def shared(self) -> "_Schedule":
         """This schedule without its transport: what the next head group reuses."""
         twin = object.__new__(_Schedule)
-        twin.steps, twin.plan, twin.work, twin.error = self.steps, self.plan, self.work, self.error
+        twin.steps, twin.plan, twin.work = self.steps, self.plan, self.work
         return twin
 
     def _prepare(self, q, pc):
@@ -150,15 +155,24 @@ class _Schedule:
                 self.comm.fail()
         self.clock.time("compute_s", start)
 
-    def finish(self) -> None:
-        """Raise this rank's own failure, or a peer's, now that every transfer is done."""
+    def finish(self, errors: list | None = None) -> None:
+        """Raise this rank's own failure, or a peer's, now that every transfer is done; with
+        ``errors`` (a call of several head groups) append it there instead, so the next groups'
+        rings still make their transfers and carry the news (``backward_by_heads``)."""
+        error = None
         if self.error is not None:
-            lockstep.mark_failed(self.opts.sp, f"{self.opts.label}: {type(self.error).__name__}: {self.error}")
-            raise self.error
-        if self.comm is not None and self.comm.failed():
+            if not self.inherited:
+                lockstep.mark_failed(self.opts.sp, f"{self.opts.label}: {type(self.error).__name__}: {self.error}")
+            error = self.error
+        elif self.comm is not None and self.comm.failed():
             lockstep.mark_failed(self.opts.sp)
-            raise RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
-                               f"see that rank's error): this rank stops too instead of using its blocks")
+            error = RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
+                                 f"see that rank's error): this rank stops too instead of using its blocks")
+        if error is None:
+            return
+        if errors is None:
+            raise error
+        errors.append(error)
 
 
 def _merge(out_acc, lse_acc, rows: slice, o, l):
@@ -188,13 +202,30 @@ def _fold_sinks(out, lse, sinks):
     lse.copy_(new)
 
 
-def ring_forward(q, k, v, sinks, opts: RingOptions, like: _Schedule | None = None, schedules: list | None = None):
-    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel). ``like``: an
-    earlier head group's schedule to reuse (``_Schedule.shared``); ``schedules``: a list this
-    call's schedule is put in when it is empty, for the next groups."""
-    sched = _Schedule(q, opts, opts.numbers.forward, like)
-    if schedules is not None and not schedules:
-        schedules.append(sched.shared())
+@dataclasses.dataclass
+class _Groups:
+    """What the head groups of one call share: the first group's schedule (``_Schedule.shared``)
+    and the failures so far (after one, the later groups' rings only make their transfers)."""
+
+    schedule: _Schedule | None = None
+    errors: list = dataclasses.field(default_factory=list)
+
+    def start(self, q, opts: RingOptions, number: int) -> _Schedule:
+        sched = _Schedule(q, opts, number, like=self.schedule, failed=self.errors[0] if self.errors else None)
+        if self.schedule is None:
+            self.schedule = sched.shared()
+        return sched
+
+
+def _start(q, opts: RingOptions, number: int, groups: _Groups | None) -> _Schedule:
+    return _Schedule(q, opts, number) if groups is None else groups.start(q, opts, number)
+
+
+def ring_forward(q, k, v, sinks, opts: RingOptions, groups: _Groups | None = None):
+    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel). ``groups``: what
+    the head groups of the call share (``forward_by_heads``); a failure is then recorded there,
+    not raised."""
+    sched = _start(q, opts, opts.numbers.forward, groups)
     B, H, s, D = q.shape
     acc = acc_dtype(q)
     out_acc = lse_acc = aux = None
@@ -215,7 +246,7 @@ def ring_forward(q, k, v, sinks, opts: RingOptions, like: _Schedule | None = Non
         sched.compute(t, work)
         if pending is not None:
             kv = tuple(pending.wait())
-    sched.finish()
+    sched.finish(None if groups is None else groups.errors)
     out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
     if sinks is not None:
         _fold_sinks(out_acc, lse_acc, sinks)
@@ -251,15 +282,14 @@ def _accumulate(total, rows: slice, grad, like: torch.Tensor, dtype, travels: bo
     return total
 
 
-def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_into=None, like=None, schedules=None):
+def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_into=None,
+                  groups: _Groups | None = None):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64).
     ``dq_into``: a tensor of q's shape in the accumulation dtype that dq is summed into (and
-    returned as): a head group's share of the whole dq (``backward_by_heads``); ``like`` and
-    ``schedules`` as for ``ring_forward``."""
+    returned as): a head group's share of the whole dq (``backward_by_heads``); ``groups`` as for
+    ``ring_forward``."""
     opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
-    sched = _Schedule(q, opts, opts.numbers.backward, like)
-    if schedules is not None and not schedules:
-        schedules.append(sched.shared())
+    sched = _start(q, opts, opts.numbers.backward, groups)
     acc = acc_dtype(q)
     # The gradient arrives as a [B,H,s,D] view of [B,s,H,D] memory (transformers' layout). The
     # CPU flash kernel works in that layout and copies a contiguous dout back into it, so on CPU
@@ -310,7 +340,7 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_int
             kv = tuple(pending_kv.wait())
     if sched.steps > 1:  # send each accumulator home to the rank that owns the block
         dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=sets).wait()
-    sched.finish()
+    sched.finish(None if groups is None else groups.errors)
     if dq is None:
         dq = torch.zeros_like(q, dtype=acc)
     dsinks = None
@@ -340,14 +370,15 @@ def forward_by_heads(q, k, v, sinks, opts: RingOptions):
     B, H, s, D = q.shape
     out = torch.empty((B, s, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # transformers' layout
     lse = torch.empty((B, H, s), dtype=LSE, device=q.device)
-    auxes, schedules = [], []
+    auxes, groups = [], _Groups()
     for hq, hk in head_groups(H, k.size(1), opts.head_groups):
-        o, l, a = ring_forward(q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq], opts,
-                               like=schedules[0] if schedules else None, schedules=schedules)
+        o, l, a = ring_forward(q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq], opts, groups)
         out[:, hq] = o
         lse[:, hq] = l
         auxes.append(a)
         del o, l
+    if groups.errors:
+        raise groups.errors[0]
     return out, lse, auxes
 
 
@@ -360,11 +391,11 @@ def backward_by_heads(dout, q, k, v, sinks, out, lse, auxes, opts: RingOptions):
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     dsinks = None if sinks is None else torch.empty_like(sinks)
     direct = q.dtype == acc_dtype(q)  # dq is summed into its share of the whole: no group-sized accumulator
-    schedules = []
+    groups = _Groups()
     for (hq, hk), aux in zip(head_groups(q.size(1), k.size(1), opts.head_groups), auxes, strict=True):
         gq, gk, gv, gs = ring_backward(dout[:, hq], q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq],
                                        out[:, hq], lse[:, hq], aux, opts, dq_into=grads[0][:, hq] if direct else None,
-                                       like=schedules[0] if schedules else None, schedules=schedules)
+                                       groups=groups)
         if not direct:
             grads[0][:, hq] = gq
         grads[1][:, hk] = gk
@@ -372,6 +403,8 @@ def backward_by_heads(dout, q, k, v, sinks, out, lse, auxes, opts: RingOptions):
         if gs is not None:
             dsinks[hq] = gs
         del gq, gk, gv
+    if groups.errors:
+        raise groups.errors[0]
     return (*grads, dsinks)
 
 

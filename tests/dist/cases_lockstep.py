@@ -126,15 +126,17 @@ def _fail_at(invocation: int):
 
 def failure_fails_the_group(where: str):
     """An exception inside one rank's ring call makes every rank raise: in that call when a
-    later transfer can carry the news, else at the next ringseq collective (where the ranks
-    meet out of step). No rank gets a result until all are in step again; then it is exact."""
+    later transfer can carry the news (the next head group's ring too: it still makes its
+    transfers), else at the next ringseq collective (where the ranks meet out of step). No rank
+    gets a result until all are in step again; then it is exact."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     bad = sp.rank == world - 1
     (q, k, v), dout = _inputs(sp)
     ref = ringseq.ring_attention(q, k, v, sp=sp).detach()
-    steps = world  # dense causal: P ring steps each way
-    invocation = {"forward first step": 0, "forward last step": steps - 1, "backward first step": steps}[where]
+    steps = world * K  # dense causal: P ring steps each way, for each of the K rings (one per kv head)
+    invocation = {"forward first step": 0, "forward first ring's last step": world - 1, "forward last step": steps - 1,
+                  "backward first step": steps}[where]
     restore = _fail_at(invocation) if bad else (lambda: None)
     try:
         ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
@@ -186,10 +188,10 @@ def stopped_peer(sp_size: int, phases: list, timeout: float, victim: int = 1):
         target = "ring_forward" if phase == "forward" else "ring_backward"
         original = getattr(ring, target)
 
-        def stopping(*args):
+        def stopping(*args, **kwargs):
             setattr(ring, target, original)
             _stop_myself_later(timeout + 3)
-            return original(*args)
+            return original(*args, **kwargs)
 
         setattr(ring, target, stopping)
     out, start = None, time.perf_counter()

@@ -19,7 +19,8 @@ def test_skipped_layers_backwards_and_labels_are_caught(pool2, pool4):
     pool4.run(cases.skipped_layer_and_backward_are_refused)
 
 
-@pytest.mark.parametrize("where", ["forward first step", "forward last step", "backward first step"])
+@pytest.mark.parametrize("where", ["forward first step", "forward first ring's last step", "forward last step",
+                                   "backward first step"])
 def test_a_failure_inside_the_ring_fails_the_group(pool2, pool4, where):
     pool2.run(cases.failure_fails_the_group, where)
     pool4.run(cases.failure_fails_the_group, where)
