@@ -131,13 +131,29 @@ def patched_forward():
         _IN_FORWARD.reset(token)
 
 
+def _named(original, name: str):
+    """``original`` as a function called ``name``. transformers >= 5.25 makes its kernel functions
+    instances of the kernels hub's ``Func`` module (so a model can swap in a hub kernel), which have
+    no ``__name__`` and whose attributes ``functools.wraps`` should not copy."""
+    if getattr(original, "__name__", None) == name:
+        return original
+
+    def call(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
 def _dispatcher(original, name: str):
-    @functools.wraps(original)
+    kernel = _named(original, name)
+
+    @functools.wraps(kernel)
     def dispatch(*args, ringseq=None, **kwargs):
         if isinstance(ringseq, DecodeStep):  # generation's decode: every rank steps the same states alike
             return original(*args, **kwargs)
         if ringseq is not None:
-            return SHARDED[name](original, ringseq, *args, **kwargs)
+            return SHARDED[name](kernel, ringseq, *args, **kwargs)
         if _IN_FORWARD.get():
             raise RingSeqError(f"{name} was called inside a patched forward without ringseq's batch (the model no "
                                f"longer hands its keyword arguments to its recurrent kernels): it would mix this "
