@@ -163,7 +163,7 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
 def _head_groups(H: int, K: int, U: int, groups: int | None) -> int:
     """The head groups of each ring call: a divisor of the kv heads the ring holds (under Ulysses
     its share of them, after the copies that give every Ulysses rank one)."""
-    ring_kv = max(K, U) // U if U > 1 else K
+    ring_kv = max(K, U) // U
     if groups is None:
         return ring_kv
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or ring_kv % groups:

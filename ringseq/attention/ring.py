@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from ringseq import lockstep
 from ringseq.errors import RingSeqError
-from ringseq.ledger import Clock
+from ringseq.ledger import Clock, ledger
 
 from .comm import RingComm, travels_as_is
 from .kernels import BlockSpec, for_call
@@ -93,11 +93,11 @@ class RingOptions:
 class _Schedule:
     """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
 
-    def __init__(self, q, opts: RingOptions, number: int, like: "_Schedule | None" = None,
+    def __init__(self, q, opts: RingOptions, number: int, like: tuple | None = None,
                  failed: BaseException | None = None):
-        """``like``: the schedule of another head group of the same call, whose plan and prepared
-        calls (they depend on the tokens, not the heads) this one reuses with a transport of its
-        own; keep such a schedule with ``shared()``, which drops its transport and buffers.
+        """``like``: (steps, plan, work) of another head group of the same call (``prepared``),
+        whose plan and prepared calls (they depend on the tokens, not the heads) this one reuses
+        with a transport of its own.
         ``failed``: an earlier group's failure (this rank's or a peer's): this ring makes its
         transfers, flagged failed so every peer learns of it, and computes nothing."""
         B, _, s, _ = q.shape
@@ -106,7 +106,7 @@ class _Schedule:
             plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
             self.steps, self.plan = plan.steps, plan.calls
         else:
-            self.steps, self.plan = like.steps, like.plan
+            self.steps, self.plan = like[:2]
         self.comm = None
         self.clock = Clock(opts.sp)
         if self.steps > 1:
@@ -120,18 +120,16 @@ class _Schedule:
         """(call, kernel, spec) per step: a backend per call and its device metadata, all before the loop."""
         try:
             if failed is None:
-                self.work = like.work if like is not None else [[self._prepare(q, pc) for pc in step]
-                                                                for step in self.plan]
+                self.work = like[2] if like is not None else [[self._prepare(q, pc) for pc in step]
+                                                              for step in self.plan]
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
             self.error = exc
         if self.error is not None and self.comm is not None:
             self.comm.fail()
 
-    def shared(self) -> "_Schedule":
-        """This schedule without its transport: what the next head group reuses."""
-        twin = object.__new__(_Schedule)
-        twin.steps, twin.plan, twin.work = self.steps, self.plan, self.work
-        return twin
+    def prepared(self) -> tuple:
+        """(steps, plan, work): what the next head group reuses (not the transport or its buffers)."""
+        return self.steps, self.plan, self.work
 
     def _prepare(self, q, pc):
         o = self.opts
@@ -204,16 +202,17 @@ def _fold_sinks(out, lse, sinks):
 
 @dataclasses.dataclass
 class _Groups:
-    """What the head groups of one call share: the first group's schedule (``_Schedule.shared``)
-    and the failures so far (after one, the later groups' rings only make their transfers)."""
+    """What the head groups of one call share: the first group's prepared schedule
+    (``_Schedule.prepared``) and the failures so far (after one, the later groups' rings only make
+    their transfers)."""
 
-    schedule: _Schedule | None = None
+    schedule: tuple | None = None
     errors: list = dataclasses.field(default_factory=list)
 
     def start(self, q, opts: RingOptions, number: int) -> _Schedule:
         sched = _Schedule(q, opts, number, like=self.schedule, failed=self.errors[0] if self.errors else None)
         if self.schedule is None:
-            self.schedule = sched.shared()
+            self.schedule = sched.prepared()
         return sched
 
 
@@ -363,7 +362,7 @@ def forward_by_heads(q, k, v, sinks, opts: RingOptions):
     """``ring_forward`` once per head group (``RingOptions.head_groups``), into one output and
     log-sum-exp: only one group's K/V blocks, receive buffers and accumulators exist at a time.
     Returns (out, lse, one aux per group)."""
-    Clock(opts.sp).book.calls += 1
+    ledger(opts.sp).calls += 1
     if opts.head_groups == 1:
         out, lse, aux = ring_forward(q, k, v, sinks, opts)
         return out, lse, [aux]
@@ -385,7 +384,7 @@ def forward_by_heads(q, k, v, sinks, opts: RingOptions):
 def backward_by_heads(dout, q, k, v, sinks, out, lse, auxes, opts: RingOptions):
     """``ring_backward`` once per head group, into whole dq, dk, dv (and dsinks): one group's
     travelling blocks, dK/dV accumulators and kernel gradients exist at a time."""
-    Clock(opts.sp).book.calls += 1
+    ledger(opts.sp).calls += 1
     if opts.head_groups == 1:
         return ring_backward(dout, q, k, v, sinks, out, lse, auxes[0], opts)
     grads = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
