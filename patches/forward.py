@@ -112,6 +112,7 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                 local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
                                       shift_labels, ringseq, counted=num_items_in_batch is not None,
                                       balance=balance)
+                batch = batch.with_head_groups(handle.head_groups)
                 padding = local.get("attention_mask")
                 if handle.recurrent and padding is not None:
                     kwargs["attention_mask"] = padding  # recurrent layers zero padding with this rank's shard

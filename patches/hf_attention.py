@@ -81,5 +81,5 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
         return out.transpose(1, 2).contiguous(), None
     with lockstep.layer(getattr(module, "layer_idx", None)):
         out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,
-                             softcap=softcap, sinks=s_aux, token_info=ringseq.info)
+                             softcap=softcap, sinks=s_aux, token_info=ringseq.info, head_groups=ringseq.head_groups)
     return out.transpose(1, 2).contiguous(), None  # transformers wants [B, s, H, D]

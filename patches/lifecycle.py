@@ -46,6 +46,8 @@ class PatchHandle:
     """Whether checkpointing offloads to host memory (transformers' option; ``patches.checkpointing``)."""
     keep_ring_outputs: bool = True
     """Whether checkpointed layers keep their ring outputs (False: their recompute replays the ring)."""
+    head_groups: object = None
+    """Ring head groups of every attention call (``ring_attention``'s ``head_groups``; None: one ring)."""
     mixer_modules: list = dataclasses.field(default_factory=list)
     """The modeling modules whose recurrent kernels route through ringseq for this model (``patches.mixers``)."""
     recurrent: bool = False
@@ -70,7 +72,7 @@ class PatchHandle:
 
 
 def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True,
-          split_vision: bool = False):
+          split_vision: bool = False, head_groups=None):
     """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
 
     Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
@@ -83,7 +85,11 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     Checkpointing (``gradient_checkpointing_enable``, before or after patching) never replays the
     ring: checkpointed layers keep each ring call's output and log-sum-exp
     (``patches.checkpointing``); ``keep_ring_outputs=False`` trades that speed for memory (one
-    q-sized tensor per layer less; the recompute replays the ring). Hybrid models' recurrent
+    q-sized tensor per layer less; the recompute replays the ring). ``head_groups`` (a memory
+    switch; None: one ring for all heads, the fastest) runs each attention layer's ring once per
+    group of kv heads, one group after the other: an int dividing the kv heads the ring holds, or
+    "kv" for one ring per kv head; the ring backward then holds one group's buffers at a time, for
+    as many times the transfers and kernel launches (``ring_attention``). Hybrid models' recurrent
     layers (gated DeltaNet, KDA, Mamba2, short convolutions) run on this rank's tokens from the
     states their runs enter with (``patches.mixers``), and an MoE model's router loss is that of
     the whole sequence (``patches.router_loss``). Patching twice only updates
@@ -98,6 +104,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     """
     check_sp(sp)
     tiling.check(tiled_mlp)
+    _check_head_groups(head_groups)
     if not isinstance(model, torch.nn.Module):
         raise RingSeqError(f"ringseq.patch takes a transformers model object, got {type(model).__name__}: load it "
                            f"with AutoModelForCausalLM.from_pretrained (or from_config) first")
@@ -109,6 +116,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     plan = vision.plan(model, split_vision)
     if handle is not None:
         handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
+        handle.head_groups = head_groups
         handle.vision = plan
         if tiled_mlp != handle.tiled_mlp:
             tiling.uninstall(model)
@@ -130,7 +138,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
                          chunked_loss=chunked_loss, previous_forward=vars(model).get("forward"),
                          previous_generate=vars(model).get("generate"),
                          keep_ring_outputs=bool(keep_ring_outputs), recurrent=mixers.has_recurrent_layers(model),
-                         router_loss=router, vision=plan)
+                         router_loss=router, vision=plan, head_groups=head_groups)
     vision.set_attention(model, NAME)
     try:
         handle.documents_apart = isolates_documents(model)
@@ -148,6 +156,16 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     return model
 
 
+def _check_head_groups(head_groups) -> None:
+    """None, "kv" or a positive int (whether it divides the kv heads the ring holds is checked at the
+    first attention call, where the heads and any Ulysses split are known)."""
+    if head_groups is None or head_groups == "kv":
+        return
+    if isinstance(head_groups, bool) or not isinstance(head_groups, int) or head_groups < 1:
+        raise RingSeqError(f"head_groups must be None (one ring for all heads), a positive int dividing the kv heads "
+                           f"the ring holds, or \"kv\" (one ring per kv head); got {head_groups!r}")
+
+
 def options(model) -> dict:
     """The ``patch`` options a model was patched with ({} if it is not patched): what ringseq's
     Trainer, SFTTrainer and ``initialize`` pass on when they (re)patch a model the user patched."""
@@ -155,7 +173,7 @@ def options(model) -> dict:
     if handle is None:
         return {}
     chosen = {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
-              "keep_ring_outputs": handle.keep_ring_outputs}
+              "keep_ring_outputs": handle.keep_ring_outputs, "head_groups": handle.head_groups}
     if handle.vision is not None:  # a VLM keeps its vision split through the Trainers' re-patching
         chosen["split_vision"] = handle.vision.split
     return chosen

@@ -186,6 +186,7 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
                                documents_apart=handle.documents_apart, blocks=blocks, agreed=True,
                                balance=balance)
+        batch = batch.with_head_groups(handle.head_groups)
         if lm_kwargs.get("visual_pos_masks") is not None:
             lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
                 lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), batch)

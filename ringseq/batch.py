@@ -56,6 +56,9 @@ class ShardedBatch:
     function reads next to the logits of the same tokens."""
     attention_mask: torch.Tensor | None = None
     """This rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero padding with)."""
+    head_groups: object = None
+    """How the attention layers run their ring calls on this batch: the patched model's
+    ``patch(head_groups=)`` (None: one ring for all heads; ``ring_attention``'s ``head_groups``)."""
 
     @property
     def padded_length(self) -> int:
@@ -85,6 +88,10 @@ class ShardedBatch:
         this batch's order)."""
         full = gather(local, dim, sp=self.sp, layout=self.order)
         return full.narrow(dim, 0, self.length)
+
+    def with_head_groups(self, head_groups) -> "ShardedBatch":
+        """This batch with the attention layers' ring head groups set (``patch(head_groups=)``)."""
+        return self if head_groups == self.head_groups else dataclasses.replace(self, head_groups=head_groups)
 
     def apart(self, documents_apart: bool) -> "ShardedBatch":
         """This batch for a model that keeps packed documents apart or not (the one place where

@@ -89,6 +89,11 @@ class _State:
     work: list | None = None
     """Visible query-key pairs of a full-attention layer per ring rank, summed over the batches sharded
     since the last ``stats(reset=True)`` (``ringseq.attention.work``; known on every rank from the full batch)."""
+    pending: list = dataclasses.field(default_factory=list)
+    """Failure flags of this rank's ring calls on a GPU not read yet: (call, host copy, CUDA event)
+    (``check_later``)."""
+    settling: bool = False
+    """Whether a check of ``pending`` is queued for the end of the running backward pass."""
 
 
 _states: dict = {}
@@ -169,6 +174,69 @@ def mark_failed(sp, reason: str = "") -> None:
         peers.post_failure(sp, reason)
 
 
+def peer_failed(label: str) -> str:
+    return (f"{label} failed on another rank of the ring (its block compute raised; see that rank's error): "
+            f"this rank stops too instead of using its blocks")
+
+
+DEFERRED = {"cuda"}
+"""Device types whose ring calls leave their failure flags to ``check_later`` (a test adds "cpu")."""
+
+
+def defers(device) -> bool:
+    return device.type in DEFERRED
+
+
+def check_later(sp, label: str, flags: list) -> None:
+    """Read the failure flags of a finished ring call on a GPU later, without a host
+    synchronisation now: they are copied to pinned host memory behind the call's work and read
+    at this group's next agreement (every ringseq collective starts with one) or at the end of
+    the backward pass, whichever comes first (``settle``)."""
+    flat = torch.cat([f.reshape(1).float() for f in flags]) if len(flags) > 1 else flags[0].reshape(1).float()
+    event = None
+    if flat.is_cuda:
+        host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+        host.copy_(flat, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host = flat.clone()
+    state(sp).pending.append((label, host, event))
+
+
+def settle(sp) -> str | None:
+    """Read every deferred failure flag of this rank (``check_later``); the error of the first
+    call whose flag is set (marking this rank failed), or None."""
+    st = state(sp)
+    found = None
+    for label, host, event in st.pending:
+        if event is not None:
+            event.synchronize()
+        if found is None and bool(host.any()):
+            found = peer_failed(label)
+    st.pending.clear()
+    if found is not None:
+        mark_failed(sp)
+    return found
+
+
+def check_at_end_of_backward(sp) -> None:
+    """Have the running backward pass read the deferred failure flags when it ends, raising
+    ``RingSeqError`` there if a peer failed (once per backward pass)."""
+    st = state(sp)
+    if st.settling:
+        return
+
+    def check():
+        st.settling = False
+        found = settle(sp)
+        if found is not None:
+            raise RingSeqError(found)
+
+    st.settling = True
+    torch.autograd.Variable._execution_engine.queue_callback(check)
+
+
 def mark_broken(sp, reason: str) -> None:
     """The group's transfers can no longer be trusted: every later call raises ``reason`` (no
     note for the peers: this rank was waiting, as its "waiting" note says)."""
@@ -190,6 +258,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     if st.broken:
         raise RingSeqError(f"this sequence group cannot go on: {st.broken}. Its transfers are out of step for good; "
                            f"end the job (or build new groups: ringseq.init on every rank)")
+    late = settle(sp) if st.pending else None  # a peer's failure in an earlier call, read only now
     number = st.number
     st.number += 1
     st.last = (number, KINDS.index(kind), current_layer())
@@ -209,9 +278,10 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     while True:
         mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
         rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{at_layer()}")
-        st.peers = rows[:, -LEDGER:].tolist()
+        table = rows.tolist()  # compared on the host: no tensor operation when the ranks are in step
+        st.peers = [row[-LEDGER:] for row in table]
         compared = rows[:, :n]
-        verdict = "in step" if bool((compared == compared[0]).all()) else None
+        verdict = "in step" if all(row[:n] == table[0][:n] for row in table) else None
         if verdict is None and kind in RESYNC_KINDS:
             verdict = _resync(st, rows, n, sp.rank)
         if verdict == "wait" and time.monotonic() < deadline:
@@ -220,6 +290,8 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
             verdict = None  # the others never caught up within the timeout: raise with the records
         if kind == "batch":
             st.recent = (st.recent + [digest])[-HISTORY:]
+        if late is not None:  # every rank has met: this one raises for its earlier call (its record said so)
+            raise RingSeqError(late)
         if verdict == "in step":
             st.failure, st.agreed_at = None, time.time()
             return number
@@ -262,12 +334,17 @@ def _resync(st: _State, rows: torch.Tensor, n: int, me: int) -> str | None:
 
 
 def _exchange(sp, mine: torch.Tensor, what: str) -> torch.Tensor:
-    every = [torch.empty_like(mine) for _ in range(sp.size)]
+    """Every rank's record, [group size, RECORD] (one all-gather into one tensor)."""
+    every = torch.empty(sp.size * mine.numel(), dtype=mine.dtype)
     start = time.perf_counter()
-    work = dist.all_gather(every, mine, group=sp.check_group, async_op=True)
+    work = _all_gather_single(every, mine, group=sp.check_group, async_op=True)
     wait(work, sp, what, peer=None, gloo=True)
     Clock(sp).time("wait_s", start)
-    return torch.stack(every)
+    return every.view(sp.size, -1)
+
+
+# torch 2.13 names it all_gather_single (all_gather_into_tensor is deprecated there); older ones have only the latter
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def resync(sp, step: int) -> None:
@@ -331,6 +408,8 @@ def _where(row: list[int]) -> str:
 
 
 def _show(name: str, value: int) -> str:
+    if name in ("head_groups", "slab_rows") and value in (-1, -2):
+        return "None" if value == -1 else "'kv'"
     if name in FLOAT_FIELDS:
         return "None" if value == 0 else repr(from_bits(value))
     if name == "failed in call":

@@ -58,7 +58,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                    scale: float | None = None, position_ids=None, window=None, softcap=None,
                    sinks=None, attention_mask=None, token_info: TokenInfo | None = None,
                    kernel: str | None = None, slab_rows: int | None = None,
-                   head_groups: int | None = None) -> torch.Tensor:
+                   head_groups: int | str | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole (global) sequence.
 
     q [B,H,s,D], k [B,K,s,D], v [B,K,s,Dv] (H % K == 0; K/V cross the wire at K heads; v's head
@@ -81,12 +81,13 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                   cannot compute (a mask or softcap it does not take).
     slab_rows     query rows per kernel slab (bounds masks and scores to slab_rows x keys);
                   None: each backend's default.
-    head_groups   rings per call, run one after the other, each over an equal share of the kv
-                  heads the ring holds (under Ulysses: this rank's after the all-to-all) and
-                  their query heads; it must divide those kv heads. Only one group's travelling
-                  K/V blocks, dK/dV accumulators and kernel gradients exist at a time, for
-                  (P-1) x groups transfers of 1/groups the size. None: one kv head per group;
-                  1: one ring over every head.
+    head_groups   a memory switch: rings per call, run one after the other, each over an equal
+                  share of the kv heads the ring holds (under Ulysses: this rank's after the
+                  all-to-all) and their query heads; it must divide those kv heads ("kv": one
+                  ring per kv head). Only one group's travelling K/V blocks, dK/dV accumulators
+                  and kernel gradients exist at a time, for groups times the transfers and kernel
+                  launches, each 1/groups the size: slower, most of all on a GPU with short
+                  shards. None or 1 (default): one ring for every head.
 
     Under ``torch.autocast`` q, k and v are cast to the autocast dtype first, as
     ``scaled_dot_product_attention`` does (a model's rotary embedding typically hands over fp32
@@ -160,16 +161,19 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
                        head_groups=groups)
 
 
-def _head_groups(H: int, K: int, U: int, groups: int | None) -> int:
+def _head_groups(H: int, K: int, U: int, groups) -> int:
     """The head groups of each ring call: a divisor of the kv heads the ring holds (under Ulysses
-    its share of them, after the copies that give every Ulysses rank one)."""
+    its share of them, after the copies that give every Ulysses rank one); "kv": all of them."""
     ring_kv = max(K, U) // U
     if groups is None:
+        return 1
+    if groups == "kv":
         return ring_kv
     if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or ring_kv % groups:
         where = f" (this rank's share under Ulysses {U} of {K})" if U > 1 else ""
         raise RingSeqError(f"head_groups must be a positive integer dividing the {ring_kv} kv heads the ring "
-                           f"holds{where}; got {groups!r}. None runs one ring per kv head, 1 one ring for all")
+                           f"holds{where}, or \"kv\" (one ring per kv head); got {groups!r}. None or 1 runs one "
+                           f"ring for all heads (the default, and the fastest)")
     return groups
 
 

@@ -97,7 +97,7 @@ def call_record(q, k, v, *, causal, scale, window, softcap, sinks, position_ids,
         "softcap": _number_bits(softcap), "sinks": dtype_code(sinks),
         "kernel": -1 if kernel is None else (KERNELS.index(kernel) if kernel in KERNELS else 99),
         "slab_rows": -1 if slab_rows is None else _number_bits(slab_rows),
-        "head_groups": -1 if head_groups is None else _number_bits(head_groups),
+        "head_groups": -1 if head_groups is None else -2 if head_groups == "kv" else _number_bits(head_groups),
         **tensor_fields("position_ids", position_ids), **tensor_fields("attention_mask", attention_mask),
         "token_info": -1 if token_info is None else token_checksum(token_info),
     })

@@ -1,21 +1,32 @@
-"""Point-to-point ring transfers in global ranks (torch.distributed; gloo or NCCL).
+"""Point-to-point ring transfers in global ranks (torch.distributed; gloo or NCCL): one flat buffer a hop.
 
-A transfer is posted before the block it overlaps is computed, and waited on after; there
-is no barrier and no device synchronize inside the ring loop. Every transfer also carries a
-one-integer status (0: fine, 1: the sender or a rank before it failed during this call), so a
-rank whose block kernel raised still completes the ring's transfers and its peers learn of
-the failure instead of computing on with a stale block (``ringseq.attention.ring``). Waits are
-bounded by ``sp.timeout`` (``ringseq.lockstep.wait``); a transfer that cannot even be posted
-(a peer's process is gone) is a ``RingSeqError`` naming that peer. Each transfer is tagged with
-its call's lockstep number and ring step, so a message left over from a failed call never pairs
+Each hop moves one flat buffer: a K/V block is ``[K | V | status]`` in K's dtype, a dK/dV
+accumulator ``[dK | dV | status]`` in fp32 (fp64 for fp64 inputs) (``Block``). The status is
+one element, 0 while the ranks the buffer passed through were fine and nonzero once one of them
+failed during this call, so a rank whose block kernel raised still completes the ring's
+transfers and its peers learn of the failure instead of computing on with a stale block
+(``ringseq.attention.ring``). A received buffer is sent on as it is at the next hop: no copy,
+and no device operation for the status unless this rank failed (it then marks the buffer it
+sends). Only the first hop of a call sends the tensors the ring was given (K, V and a constant
+status: three sends into the receiver's one buffer), so K and V are never packed by a copy.
+
+Receive buffers are preallocated per kind of transfer, two sets used in turn (the block received
+at step t is computed on, and sent on, at step t+1 while step t+1's block arrives in the other
+set; dK/dV likewise). A transfer is posted before the block it overlaps is computed and waited
+on after; there is no barrier and no device synchronisation inside the ring loop. Waits are
+bounded by ``sp.timeout`` (``ringseq.lockstep.wait``); a transfer that cannot even be posted (a
+peer's process is gone) is a ``RingSeqError`` naming that peer. Each transfer is tagged with its
+call's lockstep number, kind and ring step, so a message left over from a failed call never pairs
 with a later call's.
 
 The ring takes its transport as an argument (``RingOptions.transport``): this class by default,
 another with the same interface where a caller runs the ring some other way (the GPU check's
-virtual ring of threads).
+virtual ring of threads, ``ringseq.attention.virtual``).
 """
 from __future__ import annotations
 
+import functools
+import math
 import time
 
 import torch
@@ -24,67 +35,102 @@ import torch.distributed as dist
 from ringseq import lockstep
 
 
+class Block:
+    """Tensors that travel as one flat buffer: views of it in the ring's layout, and its status.
+
+    ``shapes``: the [B, heads, n, D] shape of each tensor; each lies in the buffer as its
+    ``[B, n, heads, D]`` memory (transformers' layout, which the kernels take and return: K and V
+    from a model cross the wire without a copy) and is viewed back with ``transpose(1, 2)``."""
+
+    def __init__(self, flat: torch.Tensor, shapes):
+        self.flat, self.shapes = flat, shapes
+        views, at = [], 0
+        for B, h, n, D in shapes:
+            size = B * h * n * D
+            views.append(flat[at:at + size].view(B, n, h, D).transpose(1, 2))
+            at += size
+        self.views = views
+        self.status = flat[at:at + 1]
+
+    @staticmethod
+    def numel(shapes) -> int:
+        return sum(math.prod(s) for s in shapes) + 1
+
+    @classmethod
+    def zeros(cls, shapes, dtype, device) -> "Block":
+        return cls(torch.zeros(cls.numel(shapes), dtype=dtype, device=device), shapes)
+
+
+def wire(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous tensor that carries ``t`` [B, heads, n, D]: its [B, n, heads, D] memory."""
+    return t.transpose(1, 2)
+
+
+def travels_as_is(t: torch.Tensor) -> bool:
+    """Whether ``t`` [B, heads, n, D] crosses the wire without a copy (``wire``)."""
+    return t.transpose(1, 2).is_contiguous()
+
+
+@functools.lru_cache(maxsize=64)
+def _constant_status(value: int, dtype, device: str) -> torch.Tensor:
+    """A one-element status to send beside tensors not in a buffer (never written)."""
+    return torch.full((1,), value, dtype=dtype, device=device)
+
+
+def first_parts(tensors, dtype, failed: bool) -> list[torch.Tensor]:
+    """The pieces of a block not yet in a buffer (a call's own K and V): each tensor's wire
+    memory and a constant status, sent as three pieces into the receiver's one buffer."""
+    device = tensors[0].device
+    return [wire(t) for t in tensors] + [_constant_status(1 if failed else 0, dtype, str(device))]
+
+
 class RingComm:
-    """Send to the next rank of the ring, receive from the previous one.
+    """Send to the rank ``shift`` places ahead in the ring, receive from the one as far behind.
 
     ``ranks`` are the global ranks of the ring in ring order; ``me`` is this rank's index;
     ``sp`` gives the timeout; ``label`` names the call in errors; ``clock`` (``ringseq.ledger``)
     gets the time spent waiting; ``tag`` is the call's lockstep number (transfers are tagged
-    with it and their step).
+    with it, their kind and their step).
     """
 
     def __init__(self, group: dist.ProcessGroup, ranks: tuple[int, ...], me: int, sp, label: str, clock, device,
                  tag: int = 0):
         self.group, self.ranks, self.me, self.sp, self.label, self.clock = group, ranks, me, sp, label, clock
-        self.tag = tag
-        self.status = torch.zeros(1, dtype=torch.int64, device=device)
-        """1 once this rank failed or heard of a failure during this call (sent with every transfer)."""
+        self.tag, self.device = tag, device
         self._buffers: dict[str, list] = {}
-        """Receive buffers per kind of transfer, used in turn: two sets for K/V (the block received
-        at step t is computed on, and sent on, at step t+1 while step t+1's block arrives in the
-        other set); for gradient accumulators as many as the ring asks (``post(sets=...)``: one
-        where a received pair is added into this rank's own before the next post, two where the
-        received pair itself is sent on)."""
+        """Two receive buffers per kind of transfer, used in turn."""
 
-    def fail(self) -> None:
-        self.status.fill_(1)
-
-    def post(self, tensors: list[torch.Tensor], step: int, shift: int = 1, kind: str = "kv",
-             sets: int = 2) -> "Transfer":
-        """Start sending ``tensors`` (and the status) to the rank ``shift`` places ahead (the
-        next one by default) and receiving same-shaped ones from the rank ``shift`` places
-        behind, into the next of this ``kind``'s ``sets`` preallocated buffer sets (a kind whose
-        shapes change gets new ones; ``sets=1`` when the caller is done with what it received
-        before it posts again). Returns a handle; its ``wait()`` gives the received tensors."""
+    def post(self, parts: list[torch.Tensor], step: int, shift: int = 1, kind: str = "kv") -> "Transfer":
+        """Start sending ``parts`` (one flat buffer, or the pieces of one: ``first_parts``) to the
+        rank ``shift`` places ahead and receiving the same pieces, from the rank as far behind, into
+        the next of this kind's two flat buffers. Returns a handle whose ``wait()`` gives that buffer."""
         P = len(self.ranks)
         to, frm = self.ranks[(self.me + shift) % P], self.ranks[(self.me - shift) % P]
-        wired = [wire(t) for t in tensors]
-        sends = [w for w, _ in wired] + [self.status.clone()]
-        recvs = self._next_buffers(kind, sends, sets)
+        sizes = [p.numel() for p in parts]
+        flat = self.buffer(kind, sum(sizes), parts[0].dtype)
+        pieces = list(flat.split(sizes)) if len(parts) > 1 else [flat]
         tag = _tag(self.tag, kind, step, P)
-        ops = [dist.P2POp(dist.isend, t, to, self.group, tag) for t in sends]
-        ops += [dist.P2POp(dist.irecv, t, frm, self.group, tag) for t in recvs]
+        ops = [dist.P2POp(dist.isend, p, to, self.group, tag) for p in parts]
+        ops += [dist.P2POp(dist.irecv, p, frm, self.group, tag) for p in pieces]
         since = time.time()
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as exc:
             what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
             raise lockstep.transport_error(self.sp, what, to, exc, since) from exc
-        return Transfer(self, works, recvs, sends, step, frm, [flip for _, flip in wired])
+        return Transfer(self, works, flat, parts, step, frm)
 
-    def _next_buffers(self, kind: str, like: list[torch.Tensor], count: int = 2) -> list[torch.Tensor]:
+    def buffer(self, kind: str, numel: int, dtype) -> torch.Tensor:
+        """The next of this kind's two receive buffers (allocated by the first transfers of a kind;
+        a kind whose size or dtype changes gets new ones)."""
         sets = self._buffers.get(kind, [])
-        if sets and [(b.shape, b.dtype) for b in sets[0]] != [(t.shape, t.dtype) for t in like]:
+        if sets and (sets[0].numel(), sets[0].dtype) != (numel, dtype):
             sets = []
-        if len(sets) < count:  # the first transfers of a kind allocate its sets
-            self._buffers[kind] = sets + [[torch.empty_like(t) for t in like]]
+        if len(sets) < 2:
+            self._buffers[kind] = sets + [torch.empty(numel, dtype=dtype, device=self.device)]
             return self._buffers[kind][-1]
         self._buffers[kind] = sets[1:] + sets[:1]
         return sets[0]
-
-    def failed(self) -> bool:
-        """Whether this rank or any rank before it failed during this call (one flag read)."""
-        return bool(self.status.item())
 
 
 KIND_CODES = {"kv": 0, "dkv": 1}
@@ -96,29 +142,13 @@ def _tag(number: int, kind: str, step: int, P: int) -> int:
     return ((number * len(KIND_CODES) + KIND_CODES.get(kind, 0)) * (P + 1) + step) % (2**31 - 1)
 
 
-def wire(t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """The contiguous tensor that carries ``t``, and whether it is ``t.transpose(1, 2)``. Every rank
-    must send what its peer receives into, so the layout is fixed, not each tensor's own: a
-    [B, K, s, D] block travels as its [B, s, K, D] memory (transformers' layout, which the kernels
-    take and return: no copy for a tensor already so); tensors of fewer dims as they are."""
-    if t.dim() >= 3:
-        return t.transpose(1, 2).contiguous(), True
-    return t.contiguous(), False
-
-
-def travels_as_is(t: torch.Tensor) -> bool:
-    """Whether ``t`` crosses the wire without a copy (``wire``)."""
-    return t.transpose(1, 2).is_contiguous() if t.dim() >= 3 else t.is_contiguous()
-
-
 class Transfer:
-    def __init__(self, comm: RingComm, works, received, sent, step: int, peer: int, flips: list[bool]):
+    def __init__(self, comm: RingComm, works, received: torch.Tensor, sent, step: int, peer: int):
         self._comm, self._works, self._received, self._sent = comm, works, received, sent
-        self._step, self._peer = step, peer  # the send buffers stay alive until the transfer is done
-        self._flips = flips
-        """Per tensor: sent as its transpose(1, 2), so the received one is viewed back the same way."""
+        self._step, self._peer = step, peer  # the sent tensors stay alive until the transfer is done
 
-    def wait(self) -> list[torch.Tensor]:
+    def wait(self) -> torch.Tensor:
+        """The received flat buffer, once every send and receive of the hop is done."""
         comm = self._comm
         start = time.perf_counter()
         what = f"ring step {self._step + 1} of {comm.label}: the block from global rank {self._peer}"
@@ -126,6 +156,4 @@ class Transfer:
             lockstep.wait(work, comm.sp, what, peer=self._peer)
         comm.clock.time("wait_s", start)
         self._sent = None
-        *received, status = self._received
-        torch.maximum(comm.status, status, out=comm.status)
-        return [r.transpose(1, 2) if flip else r for r, flip in zip(received, self._flips, strict=True)]
+        return self._received

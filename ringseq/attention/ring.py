@@ -1,26 +1,31 @@
 """The ring: blockwise forward and backward over K/V blocks that travel the ring.
 
-Shapes (``ringseq.shapes``): q [B,H,s,D], k/v [B,K,s,D], out [B,H,s,D], lse fp32 [B,H,s].
+Shapes (``ringseq.shapes``): q [B,H,s,D], k/v [B,K,s,D], out [B,H,s,D], lse [B,H,s].
 
 Forward, at step t = 0..T-1, rank r holds the K/V block of rank j = (r - t) mod P. It posts
-the transfer of that block to rank r+1, computes the calls the schedule lists for (r, j)
-(``ringseq.attention.schedule.rank_schedule``: hidden blocks skipped, masks only where
-needed), merges the partial outputs into an fp32 (fp64 for fp64 inputs) accumulator by
-log-sum-exp, then waits. The log-sum-exp itself is kept in fp64 ([B,H,s]: free), so that the
-backward's exp(score - lse) is as accurate as a plain softmax.
+the transfer of that block to rank r+1 (one flat buffer: ``ringseq.attention.comm``), runs the
+kernel calls the batch's plan lists for the step (``ringseq.attention.plan``: hidden blocks
+skipped, masks only where needed, every table made once per batch), and folds each partial
+into the fp32 (fp64 for fp64 inputs) output accumulator in place: the first partial of a row is
+copied, a later one merged by its log-sum-exp (new lse, its weight w = exp(l - lse), then
+out + w (o - out): five operations, no dtype round trip but the kernel output's own). The
+log-sum-exp is kept in fp64 for fp32 inputs (the backward's exp(score - lse) is then as accurate
+as a plain softmax) and in fp32 for half inputs (what their kernels give and take). A row that
+has seen no key holds -1e30 (``plan.FLOOR``), never -inf, so no merge needs nan handling.
 T is P for plain causal attention; windows and documents can make it as small as 1.
 
 Backward runs the same ring with the merged ``out``/``lse``. The dK/dV of block j travel with
-it: each rank adds its contribution to the accumulator it received and passes it on; after
-the last step one transfer sends every accumulator home (for T = P that is the next rank).
-Only the K kv heads cross the wire, never copies repeated to H heads.
+it as one fp32 buffer: each rank adds its contribution to the accumulator it received and passes
+it on; after the last step one transfer sends every accumulator home (for T = P that is the next
+rank). Only the K kv heads cross the wire, never copies repeated to H heads. Inside the loop there
+is no host synchronisation: a peer's failure travels as a status element of the buffers and is
+read after the loop (on a GPU later still, ``lockstep.check_later``).
 
-A call runs one such ring per head group (``RingOptions.head_groups``; ``ring_attention``'s
-default: one per kv head, with its query heads), one after the other, into one output, log-sum-exp
-and gradient each (``forward_by_heads``, ``backward_by_heads``): the blocks, receive buffers, dK/dV
-accumulators and kernel gradients of one group exist at a time, a group's share of the memory
-the backward's peak held for all heads at once; the transfers are as many times more, each as
-much smaller. The groups share the call's schedule.
+A call runs one ring for all heads by default. ``RingOptions.head_groups`` = g runs g rings, one
+after the other, each over 1/g of the kv heads and their query heads, into one output, log-sum-exp
+and gradient each (``forward_by_heads``, ``backward_by_heads``): the blocks, receive buffers,
+dK/dV accumulators and kernel gradients of one group exist at a time (a memory switch), for g
+times the transfers and kernel launches, each as much smaller. The groups share the batch's plan.
 
 Sinks (one logit per head in every softmax denominator, gpt-oss) need no kernel support: they
 are folded into the merged log-sum-exp once, after the ring, and the blockwise backward with
@@ -38,10 +43,10 @@ from ringseq import lockstep
 from ringseq.errors import RingSeqError
 from ringseq.ledger import Clock, ledger
 
-from .comm import RingComm, travels_as_is
-from .kernels import BlockSpec, for_call
+from .comm import Block, RingComm, first_parts, travels_as_is
 from .kernels.common import LSE, acc_dtype
-from .masks import RowMask, TokenInfo
+from .masks import TokenInfo
+from .plan import FLOOR, plan
 from .schedule import rank_schedule
 
 
@@ -80,10 +85,10 @@ class RingOptions:
     """The call's lockstep numbers (tags of its transfers)."""
     transport: object = RingComm
     """What carries the blocks: ``RingComm`` (torch.distributed point-to-point) or any class with
-    its constructor and ``post``/``fail``/``failed`` (the GPU check passes a virtual ring of threads)."""
+    its constructor and ``post`` (the GPU check passes a virtual ring of threads)."""
     head_groups: int = 1
     """Rings per call, each over an equal share of the kv heads (and their query heads), one after
-    the other (``RingAttention``); must divide the kv heads the ring holds."""
+    the other (``RingAttention``); must divide the kv heads the ring holds. 1: one ring for all."""
 
     @property
     def P(self) -> int:
@@ -91,81 +96,74 @@ class RingOptions:
 
 
 class _Schedule:
-    """This rank's view of the ring schedule: per step, (call, kernel, spec) triples."""
+    """This rank's view of one ring: the batch's plan (``ringseq.attention.plan``), the transport,
+    and this rank's failure (after which the ring's transfers go on, flagged, without compute)."""
 
-    def __init__(self, q, opts: RingOptions, number: int, like: tuple | None = None,
-                 failed: BaseException | None = None):
-        """``like``: (steps, plan, work) of another head group of the same call (``prepared``),
-        whose plan and prepared calls (they depend on the tokens, not the heads) this one reuses
-        with a transport of its own.
-        ``failed``: an earlier group's failure (this rank's or a peer's): this ring makes its
-        transfers, flagged failed so every peer learns of it, and computes nothing."""
-        B, _, s, _ = q.shape
-        self.opts, self.B, self.S, self.device = opts, B, s * opts.P, q.device
-        if like is None:
-            plan = rank_schedule(opts.layout, self.S, opts.P, opts.r, opts.causal, opts.info, opts.window)
-            self.steps, self.plan = plan.steps, plan.calls
-        else:
-            self.steps, self.plan = like[:2]
-        self.comm = None
-        self.clock = Clock(opts.sp)
-        if self.steps > 1:
-            self.comm = opts.transport(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock, q.device,
-                                       tag=number)
+    def __init__(self, q, opts: RingOptions, number: int, failed: BaseException | None = None):
+        """``failed``: an earlier head group's failure (this rank's or a peer's): this ring makes
+        its transfers, flagged failed so every peer learns of it, and computes nothing."""
+        self.opts, self.device = opts, q.device
         self.error: BaseException | None = failed
         """The exception this rank's block compute raised; the ring's transfers go on without compute."""
         self.inherited = failed is not None
         """Whether ``error`` is an earlier group's (already reported)."""
-        self.work: list[list] = [[] for _ in self.plan]
-        """(call, kernel, spec) per step: a backend per call and its device metadata, all before the loop."""
         try:
-            if failed is None:
-                self.work = like[2] if like is not None else [[self._prepare(q, pc) for pc in step]
-                                                              for step in self.plan]
+            found = plan(q, opts)
+            self.steps, self.work, self.covered, self.row_ranges = (found.steps, found.work, found.covered,
+                                                                    found.row_ranges)
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
-            self.error = exc
-        if self.error is not None and self.comm is not None:
-            self.comm.fail()
+            sched = rank_schedule(opts.layout, q.size(2) * opts.P, opts.P, opts.r, opts.causal, opts.info,
+                                  opts.window)
+            self.steps, self.work, self.covered, self.row_ranges = sched.steps, [()] * sched.steps, False, ()
+            self.error = self.error or exc
+        self.clock = Clock(opts.sp)
+        self.comm = None
+        if self.steps > 1:
+            self.comm = opts.transport(opts.group, opts.ranks, opts.r, opts.sp, opts.label, self.clock, q.device,
+                                       tag=number)
 
-    def prepared(self) -> tuple:
-        """(steps, plan, work): what the next head group reuses (not the transport or its buffers)."""
-        return self.steps, self.plan, self.work
-
-    def _prepare(self, q, pc):
-        o = self.opts
-        mask = RowMask(pc.q, pc.k, o.info, o.window, o.causal, self.B, self.device) if pc.masked else None
-        spec = BlockSpec(causal=pc.call.causal, scale=o.scale, softcap=o.softcap, mask=mask, rows=o.slab_rows)
-        n, m = (r.stop - r.start for r in (pc.call.q_rows, pc.call.k_rows))
-        return pc.call, for_call(q, o.kernel, spec, n, m), spec
+    def send(self, what, t: int, shift: int = 1, kind: str = "kv"):
+        """Post ``what`` (a received ``Block``, sent on as it is, or the call's own tensors) to the
+        rank ``shift`` places ahead; a rank that failed marks it so."""
+        if isinstance(what, Block):
+            if self.error is not None:
+                what.status.fill_(1)
+            parts = [what.flat]
+        else:
+            parts = first_parts(what, what[0].dtype, self.error is not None)
+        return self.comm.post(parts, t, shift, kind)
 
     def compute(self, t: int, work) -> None:
-        """Run ``work(call, kernel, spec)`` for every call of step t, unless this rank failed
-        already; a failure is kept (and flagged to the peers) until the ring has finished."""
+        """Run ``work(w)`` for every ``Work`` of step t, unless this rank failed already; a failure
+        is kept (and flagged to the peers by the next transfers) until the ring has finished."""
         if self.error is not None:
             return
         start = time.perf_counter()
         try:
-            for call, kernel, spec in self.work[t]:
-                work(call, kernel, spec)
+            for w in self.work[t]:
+                work(w)
         except Exception as exc:  # noqa: BLE001 - re-raised by finish(), after the peers were told
             self.error = exc
-            if self.comm is not None:
-                self.comm.fail()
         self.clock.time("compute_s", start)
 
-    def finish(self, errors: list | None = None) -> None:
-        """Raise this rank's own failure, or a peer's, now that every transfer is done; with
-        ``errors`` (a call of several head groups) append it there instead, so the next groups'
-        rings still make their transfers and carry the news (``backward_by_heads``)."""
+    def finish(self, received, errors: list | None = None) -> None:
+        """Raise this rank's own failure, or a peer's (the status of the last ``received`` blocks),
+        now that every transfer is done; with ``errors`` (a call of several head groups) append it
+        there instead, so the next groups' rings still make their transfers and carry the news
+        (``backward_by_heads``). On a GPU a peer's failure is read later, without a host
+        synchronisation here (``lockstep.check_later``)."""
         error = None
         if self.error is not None:
             if not self.inherited:
                 lockstep.mark_failed(self.opts.sp, f"{self.opts.label}: {type(self.error).__name__}: {self.error}")
             error = self.error
-        elif self.comm is not None and self.comm.failed():
-            lockstep.mark_failed(self.opts.sp)
-            error = RingSeqError(f"{self.opts.label} failed on another rank of the ring (its block compute raised; "
-                                 f"see that rank's error): this rank stops too instead of using its blocks")
+        else:
+            flags = [b.status for b in received if b is not None]
+            if flags and lockstep.defers(self.device):
+                lockstep.check_later(self.opts.sp, self.opts.label, flags)
+            elif any(f.tolist()[0] for f in flags):  # CPU tensors: read on the host
+                lockstep.mark_failed(self.opts.sp)
+                error = RingSeqError(lockstep.peer_failed(self.opts.label))
         if error is None:
             return
         if errors is None:
@@ -173,23 +171,28 @@ class _Schedule:
         errors.append(error)
 
 
-def _merge(out_acc, lse_acc, rows: slice, o, l):
-    """Fold a partial (o, l) for query ``rows`` into the running (out_acc, lse_acc), in place."""
-    old = lse_acc[..., rows]
-    new = torch.logaddexp(old, l)
-    w_old = torch.exp(old - new).nan_to_num_(0.0).unsqueeze(-1)  # nan only where both are -inf
-    w_new = torch.exp(l - new).nan_to_num_(0.0).unsqueeze(-1)
-    acc = out_acc[..., rows, :]
-    acc.mul_(w_old.to(acc.dtype)).addcmul_(o.to(acc.dtype), w_new.to(acc.dtype))
-    lse_acc[..., rows] = new
+def _fresh(out, lse, rows: slice, o, l, empty: bool):
+    """The first partial of query ``rows``: copied into the accumulators (a row that sees none of
+    the call's keys gets log-sum-exp FLOOR, not -inf: the merges then need no nan handling)."""
+    out[:, :, rows].copy_(o)
+    dst = lse[:, :, rows]
+    if not empty:
+        dst.copy_(l)
+    elif dst.dtype == l.dtype:
+        torch.clamp(l, min=FLOOR, out=dst)
+    else:
+        dst.copy_(l).clamp_(min=FLOOR)
 
 
-def _empty_if_none(out_acc, lse_acc, shape, dtype, device):
-    """The accumulators of rows that have seen no key yet: output 0, log-sum-exp -inf."""
-    if out_acc is not None:
-        return out_acc, lse_acc
-    return (torch.zeros(shape, dtype=dtype, device=device),
-            torch.full(shape[:-1], float("-inf"), dtype=LSE, device=device))
+def _merge(out, lse, rows: slice, o, l):
+    """Fold a partial (o, l) of query ``rows`` into the running (out, lse), in place: the new
+    log-sum-exp, then out + w (o - out) with w = exp(l - new), the new partial's weight (0 where
+    it sees nothing: l = -inf against a finite running value)."""
+    acc, run = out[:, :, rows], lse[:, :, rows]
+    torch.logaddexp(run, l, out=run)
+    w = torch.sub(l, run).exp_()
+    acc.lerp_(o if o.dtype == acc.dtype else o.to(acc.dtype),
+              (w if w.dtype == acc.dtype else w.to(acc.dtype)).unsqueeze(-1))
 
 
 def _fold_sinks(out, lse, sinks):
@@ -202,18 +205,13 @@ def _fold_sinks(out, lse, sinks):
 
 @dataclasses.dataclass
 class _Groups:
-    """What the head groups of one call share: the first group's prepared schedule
-    (``_Schedule.prepared``) and the failures so far (after one, the later groups' rings only make
-    their transfers)."""
+    """The failures so far of the head groups of one call (after one, the later groups' rings only
+    make their transfers); the groups share the batch's plan through ``plan``'s cache."""
 
-    schedule: tuple | None = None
     errors: list = dataclasses.field(default_factory=list)
 
     def start(self, q, opts: RingOptions, number: int) -> _Schedule:
-        sched = _Schedule(q, opts, number, like=self.schedule, failed=self.errors[0] if self.errors else None)
-        if self.schedule is None:
-            self.schedule = sched.prepared()
-        return sched
+        return _Schedule(q, opts, number, failed=self.errors[0] if self.errors else None)
 
 
 def _start(q, opts: RingOptions, number: int, groups: _Groups | None) -> _Schedule:
@@ -221,35 +219,45 @@ def _start(q, opts: RingOptions, number: int, groups: _Groups | None) -> _Schedu
 
 
 def ring_forward(q, k, v, sinks, opts: RingOptions, groups: _Groups | None = None):
-    """Return (out in q dtype, lse [B,H,s] in fp64, aux for the backward kernel). ``groups``: what
-    the head groups of the call share (``forward_by_heads``); a failure is then recorded there,
-    not raised."""
+    """Return (out in q's dtype in transformers' [B, s, H, D] memory, lse [B,H,s] in ``lse_dtype``,
+    aux for the backward kernel). ``groups``: what the head groups of the call share
+    (``forward_by_heads``); a failure is then recorded there, not raised."""
     sched = _start(q, opts, opts.numbers.forward, groups)
     B, H, s, D = q.shape
-    acc = acc_dtype(q)
-    out_acc = lse_acc = aux = None
-    kv = (_uncopied(k), _uncopied(v))
+    out = torch.empty((B, s, H, D), dtype=acc_dtype(q), device=q.device).transpose(1, 2)
+    lse = torch.empty((B, H, s), dtype=lse_dtype(q), device=q.device)
+    if not sched.covered:  # rows no fresh call writes first: output 0, log-sum-exp FLOOR
+        out.zero_()
+        lse.fill_(FLOOR)
+    kv, block, aux = (_uncopied(k), _uncopied(v)), None, None
+    shapes = tuple(tuple(t.shape) for t in kv)
 
-    def work(call, kernel, spec):
-        nonlocal out_acc, lse_acc, aux
-        o, l, a = kernel.forward(q[:, :, call.q_rows], kv[0][:, :, call.k_rows], kv[1][:, :, call.k_rows], spec)
+    def work(w):
+        nonlocal aux
+        o, l, a = w.kernel.forward(q[:, :, w.q_rows], kv[0][:, :, w.k_rows], kv[1][:, :, w.k_rows], w.spec)
         aux = aux if aux is not None else a
-        if out_acc is None and call.q_rows == slice(0, s):  # first call covers every row
-            out_acc, lse_acc = o.to(acc), l.to(LSE)
-            return
-        out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
-        _merge(out_acc, lse_acc, call.q_rows, o, l)
+        if w.fresh:
+            _fresh(out, lse, w.q_rows, o, l, w.empty)
+        else:
+            _merge(out, lse, w.q_rows, o, l)
 
     for t in range(sched.steps):
-        pending = sched.comm.post(list(kv), t) if t < sched.steps - 1 else None
+        pending = sched.send(kv if block is None else block, t) if t < sched.steps - 1 else None
         sched.compute(t, work)
         if pending is not None:
-            kv = tuple(pending.wait())
-    sched.finish(None if groups is None else groups.errors)
-    out_acc, lse_acc = _empty_if_none(out_acc, lse_acc, (B, H, s, D), acc, q.device)
+            block = Block(pending.wait(), shapes)
+            kv = block.views
+    sched.finish([block], None if groups is None else groups.errors)
     if sinks is not None:
-        _fold_sinks(out_acc, lse_acc, sinks)
-    return _seq_major(out_acc, q.dtype), lse_acc, aux
+        _fold_sinks(out, lse, sinks)
+    return out if out.dtype == q.dtype else out.to(q.dtype), lse, aux
+
+
+def lse_dtype(q: torch.Tensor) -> torch.dtype:
+    """The merged log-sum-exp's dtype: fp64 for fp32 and fp64 inputs (free at [B, H, s], and the
+    backward's exp(score - lse) is then as accurate as a plain softmax); fp32 for half inputs,
+    whose kernels take and give fp32 (no conversion per step)."""
+    return LSE if q.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 def _uncopied(t: torch.Tensor) -> torch.Tensor:
@@ -268,87 +276,79 @@ def _seq_major(t: torch.Tensor, dtype) -> torch.Tensor:
     return torch.empty((B, s, H, D), dtype=dtype, device=t.device).transpose(1, 2).copy_(t)
 
 
-def _accumulate(total, rows: slice, grad, like: torch.Tensor, dtype, travels: bool):
-    """``total[:, :, rows] += grad``; the first gradient that covers every row becomes the
-    accumulator itself (no zero-filled one beside it: the backward's peak is these buffers),
-    in the kernel's layout unless it ``travels`` and the wire would copy it (``comm.wire``);
-    a zero-filled one takes the layout of ``like`` (the ring's K/V: the wire's)."""
-    if total is None:
-        if rows == slice(0, like.shape[2]) and grad.shape == like.shape and (not travels or travels_as_is(grad)):
-            return grad.to(dtype)
-        total = torch.zeros_like(like, dtype=dtype)
-    total[:, :, rows] += grad
-    return total
-
-
 def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_into=None,
                   groups: _Groups | None = None):
     """Return (dq, dk, dv, dsinks) in the input dtypes; accumulation is fp32 (fp64 for fp64).
-    ``dq_into``: a tensor of q's shape in the accumulation dtype that dq is summed into (and
+    ``dq_into``: a tensor of q's shape in the accumulation dtype that dq is written into (and
     returned as): a head group's share of the whole dq (``backward_by_heads``); ``groups`` as for
     ``ring_forward``."""
     opts = dataclasses.replace(opts, label=f"the backward of {opts.label}")
     sched = _start(q, opts, opts.numbers.backward, groups)
     acc = acc_dtype(q)
-    # The gradient arrives as a [B,H,s,D] view of [B,s,H,D] memory (transformers' layout). The
-    # CPU flash kernel works in that layout and copies a contiguous dout back into it, so on CPU
-    # it stays as it came (two q-sized copies fewer); other kernels get it contiguous.
-    if dout.device.type != "cpu" or dout.stride(-1) != 1:
-        dout = dout.contiguous()
-    # A row that sees no key at all (lse -inf) has output 0 and passes no gradient; +inf
-    # makes every exp(score - lse) of that row exactly 0 instead of nan.
-    lse_b = lse.masked_fill(lse == float("-inf"), float("inf"))
-    dq = None if dq_into is None else dq_into.zero_()
-    dk = dv = None
-    kv, travelling = (_uncopied(k), _uncopied(v)), None
+    if dout.stride(-1) != 1:  # the gradient usually comes as transformers' layout: taken as it is
+        dout = _seq_major(dout, dout.dtype)
+    B, H, s, D = q.shape
+    dq = dq_into if dq_into is not None else torch.empty((B, s, H, D), dtype=acc, device=q.device).transpose(1, 2)
+    if not sched.covered:
+        dq.zero_()
+    kv, kv_block = (_uncopied(k), _uncopied(v)), None
+    shapes = tuple(tuple(t.shape) for t in kv)
+    rows_lse: dict = {}  # the merged log-sum-exp of each call's rows as its kernel takes it: once per range
 
-    def work(call, kernel, spec):
-        nonlocal dq, dk, dv
-        qr, kr = call.q_rows, call.k_rows
-        gq, gk, gv = kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
-                                     out[:, :, qr], lse_b[:, :, qr], aux, spec)
-        dq = _accumulate(dq, qr, gq, q, acc, travels=False)
-        dk = _accumulate(dk, kr, gk, kv[0], acc, travels=sched.steps > 1)
-        dv = _accumulate(dv, kr, gv, kv[1], acc, travels=sched.steps > 1)
+    def lse_of(rows: slice, kernel):
+        dtype = lse.dtype if kernel.exact_lse else acc
+        key = (rows.start, rows.stop, dtype)
+        if key not in rows_lse:
+            rows_lse[key] = lse[:, :, rows].to(dtype).contiguous()
+        return rows_lse[key]
+
+    own = None  # the dK/dV of the block this rank holds, as far as the ranks before it summed them
+
+    def work(w):
+        qr, kr = w.q_rows, w.k_rows
+        gq, gk, gv, lo = w.kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
+                                           out[:, :, qr], lse_of(qr, w.kernel), aux, w.spec)
+        if w.fresh:
+            dq[:, :, qr].copy_(gq)
+        else:
+            dq[:, :, qr].add_(gq)
+        keys = slice(kr.start + lo, kr.start + lo + gk.size(2))
+        own.views[0][:, :, keys].add_(gk)
+        own.views[1][:, :, keys].add_(gv)
 
     # Block j's dK/dV accumulators arrive from the rank that held it before. On a GPU they arrive
-    # while this step computes, into a buffer of their own, and are added after. On the CPU
-    # (gloo: a transfer cannot be polled, only waited for) they are waited for first and this
-    # step adds into them: neither the accumulators sent at the last step nor a fresh pair for
-    # this one is alive during the compute (two accumulator pairs fewer at the backward's peak,
-    # for a transfer that is short against a CPU block's compute).
+    # while this step computes and are added to this rank's own (one flat add); on the CPU (gloo:
+    # a transfer cannot be polled, only waited for) they are waited for first and this step adds
+    # into them: no second accumulator is alive during the compute.
     eager = q.device.type == "cpu"
-    sets = 2 if eager else 1  # eager: the pair received last is sent on while the next arrives
-    for t in range(sched.steps):
-        last = t == sched.steps - 1
-        pending_kv = None if last else sched.comm.post(list(kv), t)
-        dk = dv = None  # otherwise they start at this rank's own contribution
-        if travelling is not None and eager:
-            dk, dv = travelling.wait()
-            travelling = None
+    travelling = None
+    T = sched.steps
+    for t in range(T):
+        last = t == T - 1
+        pending = None if last else sched.send(kv if kv_block is None else kv_block, t)
+        if eager and travelling is not None:
+            own, travelling = Block(travelling.wait(), shapes), None
+        else:
+            own = Block.zeros(shapes, acc, q.device)
         sched.compute(t, work)
-        if dk is None:  # no call of this step (or a failed compute): nothing of this rank's own
-            dk = torch.zeros_like(kv[0], dtype=acc)
-            dv = torch.zeros_like(kv[1], dtype=acc)
         if travelling is not None:
-            dk_in, dv_in = travelling.wait()
-            dk += dk_in
-            dv += dv_in
-        if not last:
-            travelling = sched.comm.post([dk, dv], t, kind="dkv", sets=sets)
-            kv = tuple(pending_kv.wait())
-    if sched.steps > 1:  # send each accumulator home to the rank that owns the block
-        dk, dv = sched.comm.post([dk, dv], sched.steps - 1, shift=-(sched.steps - 1), kind="dkv", sets=sets).wait()
-    sched.finish(None if groups is None else groups.errors)
-    if dq is None:
-        dq = torch.zeros_like(q, dtype=acc)
+            own.flat.add_(travelling.wait())
+            travelling = None
+        if T > 1:  # on to the next rank; after the last step home to the rank that owns the block
+            travelling = sched.send(own, t, shift=-(T - 1) if last else 1, kind="dkv")
+        if pending is not None:
+            kv_block = Block(pending.wait(), shapes)
+            kv = kv_block.views
+    home = own if travelling is None else Block(travelling.wait(), shapes)
+    sched.finish([kv_block, home if T > 1 else None], None if groups is None else groups.errors)
+    dk, dv = (g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(home.views, (k, v)))
     dsinks = None
     if sinks is not None:
         # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])
         delta = (dout.double() * out.double()).sum(-1)  # [B,H,s]
         p_sink = torch.exp(sinks.double()[None, :, None] - lse.double())
         dsinks = -(p_sink * delta).sum((0, 2)).to(sinks.dtype)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dsinks
+    return dq if dq.dtype == q.dtype else dq.to(q.dtype), dk, dv, dsinks
 
 
 def head_groups(H: int, K: int, groups: int):
@@ -368,7 +368,7 @@ def forward_by_heads(q, k, v, sinks, opts: RingOptions):
         return out, lse, [aux]
     B, H, s, D = q.shape
     out = torch.empty((B, s, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)  # transformers' layout
-    lse = torch.empty((B, H, s), dtype=LSE, device=q.device)
+    lse = torch.empty((B, H, s), dtype=lse_dtype(q), device=q.device)
     auxes, groups = [], _Groups()
     for hq, hk in head_groups(H, k.size(1), opts.head_groups):
         o, l, a = ring_forward(q[:, hq], k[:, hk], v[:, hk], None if sinks is None else sinks[hq], opts, groups)
@@ -429,4 +429,6 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
+        if lockstep.defers(q.device):  # deferred failure checks are read at the end of this backward at the latest
+            lockstep.check_at_end_of_backward(ctx.opts.sp)
         return (*backward_by_heads(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)

@@ -15,6 +15,8 @@ import types
 
 import torch
 
+from ringseq import lockstep
+from ringseq.errors import RingSeqError
 from ringseq.layouts import global_positions
 
 from . import ring
@@ -30,43 +32,41 @@ class Baton:
 
 
 class VirtualComm:
-    """``ringseq.attention.comm.RingComm``'s interface between the threads of one ``Baton``."""
+    """``ringseq.attention.comm.RingComm``'s interface between the threads of one ``Baton``: a hop
+    hands over a copy of the sent buffer (the copy a real transfer makes into its receive buffer)."""
 
     def __init__(self, baton: Baton, group, ranks, me, sp, label, clock, device, tag: int = 0):
         self.baton, self.ranks, self.me, self.label = baton, ranks, me, label
-        self.status = torch.zeros(1, dtype=torch.int64, device=device)
 
     @classmethod
     def over(cls, baton: Baton):
         """The transport class of one virtual ring (what ``RingOptions.transport`` takes)."""
         return lambda *args, **kwargs: cls(baton, *args, **kwargs)
 
-    def fail(self):
-        self.status.fill_(1)
-
-    def failed(self):
-        return bool(self.status.item())
-
-    def post(self, tensors, step, shift=1, kind="kv", sets=2):  # sets: RingComm's buffers, none here
+    def post(self, parts, step, shift=1, kind="kv"):
         P, box = len(self.ranks), self.baton
         to, frm = (self.me + shift) % P, (self.me - shift) % P
+        flat = parts[0].clone() if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
         with box.cond:
-            box.mail[(self.label, kind, step, self.me, to)] = [t.clone() for t in tensors] + [self.status.clone()]
+            box.mail[(self.label, kind, step, self.me, to)] = flat
             box.cond.notify_all()
-        return _Arrival(self, box, (self.label, kind, step, frm, self.me))
+        return _Arrival(box, (self.label, kind, step, frm, self.me))
 
 
 class _Arrival:
-    def __init__(self, comm, box, key):
-        self.comm, self.box, self.key = comm, box, key
+    def __init__(self, box, key):
+        self.box, self.key = box, key
 
     def wait(self):
         with self.box.cond:  # waiting lets go of the lock: another rank computes meanwhile
             if not self.box.cond.wait_for(lambda: self.key in self.box.mail, timeout=600):
                 raise TimeoutError(f"virtual ring: no block {self.key} within 600 s")
-            *got, status = self.box.mail.pop(self.key)
-        torch.maximum(self.comm.status, status, out=self.comm.status)
-        return got
+            return self.box.mail.pop(self.key)
+
+
+def virtual_sp(P: int, r: int):
+    """What the ring reads of a sequence group, for virtual rank r of P (its lockstep state's key)."""
+    return types.SimpleNamespace(ranks=("virtual", P, r), size=P, stats=False)
 
 
 def virtual_ring(q, k, v, dout=None, *, P: int, layout: str, info: TokenInfo = TokenInfo(), sinks=None,
@@ -80,7 +80,7 @@ def virtual_ring(q, k, v, dout=None, *, P: int, layout: str, info: TokenInfo = T
         idx = global_positions(layout, S, P, r).to(q.device)
         opts = ring.RingOptions(group=None, ranks=tuple(range(P)), r=r, layout=layout, causal=True,
                                 scale=1.0 / math.sqrt(D), kernel=kernel, window=window, softcap=softcap, info=info,
-                                sp=types.SimpleNamespace(ranks=("virtual", P, r), size=P, stats=False), label="virtual",
+                                sp=virtual_sp(P, r), label="virtual",
                                 transport=VirtualComm.over(baton))
         qr, kr, vr = (t[:, :, idx].contiguous() for t in (q, k, v))
         with baton.cond:  # held while computing; a transfer's wait lets go of it
@@ -101,6 +101,10 @@ def virtual_ring(q, k, v, dout=None, *, P: int, layout: str, info: TokenInfo = T
         t.join()
     if errors:
         raise errors[0]
+    for r in range(P):  # failure flags a GPU ring left to read later (``lockstep.check_later``)
+        late = lockstep.settle(virtual_sp(P, r))
+        if late is not None:
+            raise RingSeqError(late)
     full = [torch.empty_like(x) for x in (q, q, k, v)][:1 if dout is None else 4]
     for idx, *parts in results:
         for f, p in zip(full, parts):

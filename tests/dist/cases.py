@@ -74,9 +74,11 @@ def head_dims(layout):
 
 
 def traffic(layout, dtype_name):
-    """Bytes per ring step: K/V at kv-head width forward; K/V plus fp32 dK/dV backward; each
-    transfer also carries the 8-byte status integer (a peer's failure, ``ringseq.attention.comm``).
-    With head groups (default: one per kv head) each group's ring moves its share of the heads."""
+    """Bytes per ring hop: one buffer of K and V at kv-head width forward; K/V and the fp32 dK/dV
+    backward; each buffer ends in a one-element status (a peer's failure, ``ringseq.attention.comm``)
+    in its dtype. One ring for all heads by default; with head groups each group's ring moves its
+    share of the heads. Every hop is one transfer of one buffer, but a call's first, which sends the
+    own K, V and status as three pieces into the receiver's one buffer."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     dtype = DTYPES[dtype_name]
@@ -84,28 +86,30 @@ def traffic(layout, dtype_name):
     s = S // world
     q, k, v, dout = make_qkv(B, H, K, S, D)
     local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
-    for head_groups, groups in ((None, K), (1, 1), (2, 2)):
-        sent, real = [], dist.batch_isend_irecv
+    for head_groups, groups in ((None, 1), (1, 1), (2, 2), ("kv", K)):
+        hops, real = [], dist.batch_isend_irecv
 
         def counting(ops):
-            sent.append(sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.isend))
+            sends = [op.tensor for op in ops if op.op is dist.isend]
+            hops.append((len(sends), sum(t.numel() * t.element_size() for t in sends)))
             return real(ops)
 
         dist.batch_isend_irecv = counting
         try:
             out = ringseq.ring_attention(*local, sp=sp, head_groups=head_groups)
-            forward_steps = list(sent)
+            forward = list(hops)
             out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
         finally:
             dist.batch_isend_irecv = real
         block = B * (K // groups) * s * D
-        status = 8
-        kv_bytes = 2 * block * torch.empty(0, dtype=dtype).element_size() + status
-        assert forward_steps == [kv_bytes] * ((world - 1) * groups), (head_groups, forward_steps, kv_bytes)
-        backward_steps = sorted(sent[len(forward_steps):])
-        expected = sorted([kv_bytes] * ((world - 1) * groups) + ([2 * block * 4 + status] * world * groups
-                                                                 if world > 1 else []))
-        assert backward_steps == expected, (head_groups, backward_steps, expected)
+        size = torch.empty(0, dtype=dtype).element_size()
+        kv = 2 * block * size + size
+        first, later = [(3, kv)], [(1, kv)] * (world - 2)
+        assert forward == (first + later) * groups if world > 1 else forward == [], (head_groups, forward, kv)
+        backward = sorted(hops[len(forward):])
+        dkv = [(1, 2 * block * 4 + 4)] * world if world > 1 else []
+        expected = sorted((first + later + dkv) * groups) if world > 1 else []
+        assert backward == expected, (head_groups, backward, expected)
 
 
 def shard_gather_roundtrip(layout):

@@ -4,6 +4,8 @@ The reference (``ringseq.reference.attention``) is written from the definitions 
 float64 math on the full sequence), not from ringseq's mask code."""
 import contextlib
 
+import itertools
+
 import torch
 import torch.distributed as dist
 
@@ -248,7 +250,8 @@ def refuses_features():
 
 def window_skips_ring_steps():
     """A window shorter than a shard under the contiguous layout is a neighbour exchange:
-    one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home (per head group). Documents
+    one K/V hop forward; backward one K/V hop, one dK/dV hop and one hop home (per head group: one
+    ring for all heads by default, one per kv head with head_groups="kv"). Documents
     that never cross a shard boundary need no transfer at all."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout="contiguous")
@@ -262,19 +265,20 @@ def window_skips_ring_steps():
 
     dist.batch_isend_irecv = counting
     try:
-        for kw, fwd_hops, bwd_hops in [(dict(window=s), 1, 3),
-                                       (dict(position_ids=torch.arange(s * world) % s), 0, 0)]:
+        for (kw, fwd_hops, bwd_hops), (head_groups, rings) in itertools.product(
+                [(dict(window=s), 1, 3), (dict(position_ids=torch.arange(s * world) % s), 0, 0)],
+                [(None, 1), ("kv", K)]):
             sent.clear()
             if "position_ids" in kw:
                 kw = dict(position_ids=ringseq.shard(kw["position_ids"][None], 1, sp=sp))
             local = [ringseq.shard(t, 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
-            out = ringseq.ring_attention(*local, sp=sp, **kw)
+            out = ringseq.ring_attention(*local, sp=sp, head_groups=head_groups, **kw)
             n_fwd = len(sent)
             out.backward(ringseq.shard(dout, 2, sp=sp))
             if world == 1:  # a ring of one never transfers
                 fwd_hops = bwd_hops = 0
-            fwd_hops, bwd_hops = fwd_hops * K, bwd_hops * K  # a ring per kv head (head_groups' default)
-            assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), sent, n_fwd)
+            fwd_hops, bwd_hops = fwd_hops * rings, bwd_hops * rings  # one ring per head group
+            assert n_fwd == fwd_hops and len(sent) - n_fwd == bwd_hops, (kw.keys(), head_groups, sent, n_fwd)
     finally:
         dist.batch_isend_irecv = real
 

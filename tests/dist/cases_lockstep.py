@@ -124,22 +124,32 @@ def _fail_at(invocation: int):
     return lambda: setattr(ring._Schedule, "compute", original)
 
 
-def failure_fails_the_group(where: str):
+def failure_fails_the_group(where: str, deferred: bool = False):
     """An exception inside one rank's ring call makes every rank raise: in that call when a
-    later transfer can carry the news (the next head group's ring too: it still makes its
-    transfers), else at the next ringseq collective (where the ranks meet out of step). No rank
-    gets a result until all are in step again; then it is exact."""
+    later transfer can carry the news (with head groups the next group's ring too: it still makes
+    its transfers), else at the next ringseq collective (where the ranks meet out of step). No rank
+    gets a result until all are in step again; then it is exact. ``deferred``: the failure flags are
+    read as on a GPU, after the call (at the next agreement or the end of the backward pass)."""
+    if deferred:
+        lockstep.DEFERRED.add("cpu")
+        try:
+            return failure_fails_the_group(where)
+        finally:
+            lockstep.DEFERRED.discard("cpu")
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     bad = sp.rank == world - 1
     (q, k, v), dout = _inputs(sp)
     ref = ringseq.ring_attention(q, k, v, sp=sp).detach()
-    steps = world * K  # dense causal: P ring steps each way, for each of the K rings (one per kv head)
+    # one ring for all heads, or one per kv head (head_groups="kv": the first ring's failure is carried
+    # by the later rings' transfers); dense causal: P ring steps each way, per ring
+    head_groups = "kv" if "ring's" in where else None
+    steps = world * (K if head_groups else 1)
     invocation = {"forward first step": 0, "forward first ring's last step": world - 1, "forward last step": steps - 1,
-                  "backward first step": steps}[where]
+                  "backward first step": steps, "backward first ring's last step": steps + world - 1}[where]
     restore = _fail_at(invocation) if bad else (lambda: None)
     try:
-        ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
+        ringseq.ring_attention(q, k, v, sp=sp, head_groups=head_groups).backward(dout)
     except (RuntimeError, ringseq.RingSeqError) as exc:
         first = exc
     else:
@@ -310,18 +320,18 @@ def raises_before_the_ring(timeout: float):
     sp = ringseq.init(sp_size=dist.get_world_size(), timeout=timeout)
     (q, k, v), _ = _inputs(sp)
     ringseq.ring_attention(q, k, v, sp=sp)
-    original = ring.rank_schedule
+    original = ring.plan  # the batch's plan: made (or found) before the ring's first transfer
     if sp.rank == 1:
         def failing(*args, **kwargs):
             raise RuntimeError("injected before the ring")
 
-        ring.rank_schedule = failing
+        ring.plan = failing
     try:
         ringseq.ring_attention(q, k, v, sp=sp)
     except (RuntimeError, ringseq.RingSeqError) as exc:
         return str(exc)
     finally:
-        ring.rank_schedule = original
+        ring.plan = original
     return ""
 
 

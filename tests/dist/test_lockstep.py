@@ -20,10 +20,18 @@ def test_skipped_layers_backwards_and_labels_are_caught(pool2, pool4):
 
 
 @pytest.mark.parametrize("where", ["forward first step", "forward first ring's last step", "forward last step",
-                                   "backward first step"])
+                                   "backward first step", "backward first ring's last step"])
 def test_a_failure_inside_the_ring_fails_the_group(pool2, pool4, where):
     pool2.run(cases.failure_fails_the_group, where)
     pool4.run(cases.failure_fails_the_group, where)
+
+
+@pytest.mark.parametrize("where", ["forward first step", "forward last step", "backward first step"])
+def test_a_failure_read_after_the_call_fails_the_group(pool2, pool4, where):
+    """As on a GPU, where the ring leaves its failure flags to be read after the call (no host
+    synchronisation in it): the peers raise at their next agreement or at the end of the backward."""
+    pool2.run(cases.failure_fails_the_group, where, deferred=True)
+    pool4.run(cases.failure_fails_the_group, where, deferred=True)
 
 
 TIMEOUT = 1.5

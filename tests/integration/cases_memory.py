@@ -53,17 +53,19 @@ def backward_counts(model, batch):
     return loss.detach(), grads, counter.posts, counter.forwards
 
 
-def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=False, enable_first=True, keep=True):
+def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=False, enable_first=True, keep=True,
+                           head_groups=None):
     """A checkpointed patched model against the unpatched, non-checkpointed model; its backward
     makes exactly the ring posts of the non-checkpointed patched model's backward (the recompute
     replays no ring) and runs no ring forward. ``enable_first``: checkpointing enabled before
     patching (else after, as the Trainer does). ``keep=False`` (patch's keep_ring_outputs):
-    the recompute replays every layer's ring forward instead, and stays exact."""
+    the recompute replays every layer's ring forward instead, and stays exact. ``head_groups`` (patch's):
+    every ring call of the forward, the recompute and the backward runs one ring per group."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     batch = make_batch(2, 16 * world, "plain")
     base, refs = references(family, batch)
-    plain = ringseq.patch(copy.deepcopy(base), sp=sp, tiled_mlp=tiled_mlp)
+    plain = ringseq.patch(copy.deepcopy(base), sp=sp, tiled_mlp=tiled_mlp, head_groups=head_groups)
     _, _, plain_posts, plain_forwards = backward_counts(plain, batch)
     model = copy.deepcopy(base)
     model.train()
@@ -76,15 +78,15 @@ def gradient_checkpointing(family, tiled_mlp=None, reentrant=False, offload=Fals
 
     if enable_first:
         enable()
-    ringseq.patch(model, sp=sp, tiled_mlp=tiled_mlp, keep_ring_outputs=keep)
+    ringseq.patch(model, sp=sp, tiled_mlp=tiled_mlp, keep_ring_outputs=keep, head_groups=head_groups)
     if not enable_first:
         enable()
     assert model._ringseq_patch.offload == offload
     loss, grads, posts, forwards = backward_counts(model, batch)
     where = f"{family} checkpointed tiled_mlp={tiled_mlp} reentrant={reentrant} rank {sp.rank}/{world}"
     config = model.config.get_text_config()
-    layers = config.num_hidden_layers
-    rings = layers * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)  # one per kv head
+    groups = {None: 1, "kv": config.num_key_value_heads}.get(head_groups, head_groups)
+    rings = config.num_hidden_layers * groups  # per attention layer one ring for all heads, or one per group
     replayed = (world - 1) * rings if keep is False else 0  # a causal ring forward posts P-1 times
     assert (posts, forwards, plain_forwards) == (plain_posts + replayed, 0 if keep else rings, 0), \
         (where, posts, plain_posts, forwards)

@@ -56,19 +56,22 @@ def test_unsupported_models_are_refused(pool2):
     pool2.run(cases_parity.refuses_unsupported_models)
 
 
-@pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first,keep", [
-    ("llama", None, False, False, True, True), ("gemma2", None, True, False, False, True),
-    ("llama", 3, False, True, False, True), pytest.param("qwen3", 2, True, False, True, True, marks=pytest.mark.slow),
-    ("llama", None, False, False, False, False)])
+@pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first,keep,head_groups", [
+    ("llama", None, False, False, True, True, None), ("gemma2", None, True, False, False, True, None),
+    ("llama", 3, False, True, False, True, None),
+    pytest.param("qwen3", 2, True, False, True, True, None, marks=pytest.mark.slow),
+    ("llama", None, False, False, False, False, "kv")])
 def test_gradient_checkpointing_never_replays_the_ring(pool2, pool4, family, tiled_mlp, reentrant, offload,
-                                                       enable_first, keep):
+                                                       enable_first, keep, head_groups):
     """Checkpointed layers (torch's reentrant and non-reentrant checkpoint, enabled before or after
     patching, transformers' offload option) keep their ring outputs: the backward makes exactly the
     ring posts of the non-checkpointed backward; with tiled MLPs too; exact against the unpatched model.
-    keep_ring_outputs=False replays each layer's ring, exactly."""
-    pool2.run(cases_memory.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
+    keep_ring_outputs=False replays each layer's ring, exactly; patch's head_groups ("kv": one ring
+    per kv head) reach the forward, the replay and the backward."""
+    args = (family, tiled_mlp, reentrant, offload, enable_first, keep, head_groups)
+    pool2.run(cases_memory.gradient_checkpointing, *args)
     if family == "llama" and keep:
-        pool4.run(cases_memory.gradient_checkpointing, family, tiled_mlp, reentrant, offload, enable_first, keep)
+        pool4.run(cases_memory.gradient_checkpointing, *args)
 
 
 def test_tiled_mlp_refuses_what_it_cannot_tile(pool2):

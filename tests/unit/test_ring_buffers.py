@@ -1,27 +1,41 @@
-"""The ring's receive buffers (``ringseq.attention.comm``): two preallocated sets per kind of
-transfer, used in turn, so no step allocates and a block is never overwritten while in use; one
-set where the caller is done with what it received before it posts again (gradient accumulators)."""
+"""The ring's hop buffers (``ringseq.attention.comm``): one flat buffer per hop holding every tensor
+of a block and its status, two preallocated receive buffers per kind of transfer used in turn, so
+no step allocates and a block is never overwritten while in use; views of a buffer are the block's
+tensors in the ring's layout."""
 import torch
 
-from ringseq.attention.comm import RingComm
+from ringseq.attention.comm import Block, RingComm, first_parts
 
 
-def test_two_buffer_sets_per_kind_used_in_turn():
+def test_two_receive_buffers_per_kind_used_in_turn():
     comm = RingComm(None, (0, 1, 2, 3), 0, None, "test", None, "cpu")
-    kv = [torch.zeros(2, 3), torch.zeros(2, 3), comm.status]
-    got = [comm._next_buffers("kv", kv) for _ in range(5)]
-    assert all(a is b for a, b in zip(got[0], got[2])) and all(a is b for a, b in zip(got[1], got[3]))
-    assert all(a is b for a, b in zip(got[0], got[4]))
-    assert not any(a is b for a, b in zip(got[0], got[1]))
-    grads = [torch.zeros(2, 3), torch.zeros(2, 3), comm.status]  # same shapes, another kind: its own sets
-    assert not any(a is b for g in got[:2] for a, b in zip(g, comm._next_buffers("dkv", grads)))
-    wider = [torch.zeros(2, 4), torch.zeros(2, 4), comm.status]  # new shapes: new buffers
-    assert comm._next_buffers("kv", wider)[0].shape == (2, 4)
+    got = [comm.buffer("kv", 13, torch.bfloat16) for _ in range(5)]
+    assert got[0] is got[2] is got[4] and got[1] is got[3] and got[0] is not got[1]
+    assert all(b.numel() == 13 and b.dtype == torch.bfloat16 for b in got)
+    grads = comm.buffer("dkv", 13, torch.float32)  # same size, another kind: its own buffers
+    assert grads is not got[0] and grads is not got[1] and grads.dtype == torch.float32
+    assert comm.buffer("kv", 17, torch.bfloat16).numel() == 17  # a new size: new buffers
 
 
-def test_one_buffer_set_when_asked():
-    comm = RingComm(None, (0, 1), 0, None, "test", None, "cpu")
-    grads = [torch.zeros(2, 3), torch.zeros(2, 3), comm.status]
-    got = [comm._next_buffers("dkv", grads, 1) for _ in range(3)]
-    assert all(a is b for g in got[1:] for a, b in zip(got[0], g))
-    assert not any(a is b for a, b in zip(got[0], comm._next_buffers("kv", grads)))
+def test_a_block_is_views_of_one_buffer_in_the_rings_layout():
+    k = torch.arange(2 * 3 * 4 * 5, dtype=torch.float32).reshape(2, 4, 3, 5).transpose(1, 2)  # [B, K, s, D] view
+    v = -torch.arange(2 * 3 * 4 * 6, dtype=torch.float32).reshape(2, 4, 3, 6).transpose(1, 2)
+    parts = first_parts([k, v], k.dtype, failed=False)
+    flat = torch.cat([p.reshape(-1) for p in parts])  # what the receiver's one buffer holds
+    block = Block(flat, (tuple(k.shape), tuple(v.shape)))
+    assert torch.equal(block.views[0], k) and torch.equal(block.views[1], v)
+    assert block.views[0].data_ptr() == flat.data_ptr()  # no copy: views of the buffer
+    assert block.status.item() == 0 and first_parts([k, v], k.dtype, failed=True)[-1].item() == 1
+    assert flat.numel() == Block.numel(block.shapes)
+    block.status.fill_(1)  # a rank that failed marks what it sends on
+    assert flat[-1].item() == 1 and torch.equal(block.views[0], k)
+
+
+def test_zeroed_accumulators_add_in_one_pass():
+    shapes = ((1, 2, 3, 4), (1, 2, 3, 4))
+    own, other = Block.zeros(shapes, torch.float32, "cpu"), Block.zeros(shapes, torch.float32, "cpu")
+    other.views[0].fill_(2.0)
+    other.status.fill_(1)
+    own.flat.add_(other.flat)  # dK, dV and the status in one operation
+    assert torch.equal(own.views[0], torch.full((1, 2, 3, 4), 2.0)) and own.status.item() == 1
+    assert not own.views[1].any()

@@ -16,6 +16,7 @@ _backward = torch.ops.aten._scaled_dot_product_flash_attention_backward
 
 class CudaFlash:
     name, takes_mask, takes_softcap = "cuda_flash", False, False
+    exact_lse = False  # takes the merged log-sum-exp at its own precision (else in the accumulation dtype)
 
     @staticmethod
     def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -29,5 +30,6 @@ class CudaFlash:
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, spec: BlockSpec):
         cum_q, cum_k, _, _, seed, offset = aux
-        return _backward(dout, q, k, v, out, lse.float().contiguous(), cum_q, cum_k, q.size(2), k.size(2), 0.0, spec.causal,
-                         seed, offset, scale=spec.scale)[:3]
+        grads = _backward(dout, q, k, v, out, lse.float().contiguous(), cum_q, cum_k, q.size(2), k.size(2), 0.0,
+                          spec.causal, seed, offset, scale=spec.scale)
+        return (*grads[:3], 0)

@@ -10,6 +10,8 @@ device once (pinned, asynchronous), before the ring loop: no host synchronisatio
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ringseq.errors import RingSeqError
@@ -78,9 +80,21 @@ def _unpack(t: torch.Tensor, B: int) -> torch.Tensor:
     return t.reshape(B, -1, t.size(1), t.size(2)).transpose(1, 2)
 
 
+@functools.lru_cache(maxsize=8)
+def _unused(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The backward's RNG state and unused tensor (no dropout: never read): made once per device."""
+    return torch.zeros(2, dtype=torch.uint64, device=device), torch.empty(0, device=device)
+
+
 class CudaVarlen:
     name, takes_mask, takes_softcap = "cuda_varlen", True, False
+    exact_lse = False  # takes the merged log-sum-exp at its own precision (else in the accumulation dtype)
     prepared = staticmethod(prepared)
+
+    @staticmethod
+    def prepare(spec: BlockSpec, q, n: int, m: int) -> None:
+        """Build the call's runs and their device tables once per batch (every layer and the backward reuse them)."""
+        prepared(spec, q.size(0), n, m, q.device)
 
     @staticmethod
     def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -105,16 +119,15 @@ class CudaVarlen:
                                      window_size_left=r.left, window_size_right=r.right)
         lse = lse.reshape(q.size(1), B, n).transpose(0, 1)  # [H, B*n] -> [B, H, n]
         # a row in a segment without keys gets lse +inf from the kernel; the merge needs -inf
-        return _unpack(out, B), lse.masked_fill(torch.isinf(lse), float("-inf")), None
+        return _unpack(out, B), lse.nan_to_num(posinf=float("-inf"), neginf=float("-inf")), None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, spec: BlockSpec):
         B, n, m = q.size(0), q.size(2), k.size(2)
         r, cu_q, cu_k = prepared(spec, B, n, m, q.device)
         lse_packed = lse.to(acc_dtype(q)).transpose(0, 1).reshape(q.size(1), B * n).contiguous()
-        rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # no dropout: unused by the kernel
+        rng, unused = _unused(str(q.device))
         dq, dk, dv = _backward(_pack(dout), _pack(q), _pack(k), _pack(v), _pack(out), lse_packed, cu_q, cu_k,
-                               r.max_q, r.max_k, 0.0, r.left == NO_BOUND and r.right == 0, rng,
-                               torch.empty(0, device=q.device), scale=spec.scale,
-                               window_size_left=r.left, window_size_right=r.right)
-        return _unpack(dq, B), _unpack(dk, B), _unpack(dv, B)
+                               r.max_q, r.max_k, 0.0, r.left == NO_BOUND and r.right == 0, rng, unused,
+                               scale=spec.scale, window_size_left=r.left, window_size_right=r.right)
+        return _unpack(dq, B), _unpack(dk, B), _unpack(dv, B), 0

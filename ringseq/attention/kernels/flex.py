@@ -116,7 +116,13 @@ def backward_runs_on(device: torch.device) -> bool:
 
 class Flex:
     name, takes_mask, takes_softcap = "flex", True, True
+    exact_lse = True  # takes the merged log-sum-exp at its own precision (else in the accumulation dtype)
     prepared = staticmethod(prepared)
+
+    @staticmethod
+    def prepare(spec: BlockSpec, q, n: int, m: int) -> None:
+        """Build the call's block mask once per batch (every layer and the backward reuse it)."""
+        prepared(spec, q.size(0), n, m, q.device)
 
     @staticmethod
     def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -135,7 +141,7 @@ class Flex:
     def forward(q, k, v, spec: BlockSpec):
         out, lse = Flex._run(q.detach(), k.detach(), v.detach(), spec)  # no autograd graph: the ring's backward
         # rows that see nothing: output 0 and lse -inf, whatever sign the kernel reports
-        return out, lse.masked_fill(torch.isinf(lse), float("-inf")), None
+        return out, _minus_inf(lse), None
 
     @staticmethod
     def backward(dout, q, k, v, out, lse, aux, spec: BlockSpec):
@@ -145,7 +151,14 @@ class Flex:
         with torch.enable_grad():
             qg, kg, vg = (t.detach().requires_grad_(True) for t in (q, k, v))
             o_b, l_b = Flex._run(qg, kg, vg, spec)
-        w = torch.exp(l_b.detach().double() - lse.double()).nan_to_num_(0.0)  # [B,H,n]; 0 where l_b = -inf
+        # [B,H,n]; 0 where the block's row sees nothing (l_b -inf; the merged lse is real, or -1e30 for a
+        # row that sees no key at all)
+        w = torch.exp(_minus_inf(l_b.detach()).double() - lse.double())
         d_o = (dout.double() * w.unsqueeze(-1)).to(o_b.dtype)
         d_l = (w * (dout.double() * (o_b.detach().double() - out.double())).sum(-1)).to(l_b.dtype)
-        return torch.autograd.grad((o_b, l_b), (qg, kg, vg), (d_o, d_l))
+        return (*torch.autograd.grad((o_b, l_b), (qg, kg, vg), (d_o, d_l)), 0)
+
+
+def _minus_inf(lse: torch.Tensor) -> torch.Tensor:
+    """The log-sum-exp with -inf for rows that see nothing, whatever sign of infinity the kernel reports."""
+    return lse.nan_to_num(posinf=float("-inf"), neginf=float("-inf"))

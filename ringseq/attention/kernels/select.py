@@ -109,9 +109,11 @@ def select(device_type: str, dtype: torch.dtype, head_dim: int, name: str | None
 
 def for_call(q: torch.Tensor, name: str | None, spec: BlockSpec, n: int, m: int):
     """The backend for one ring call on inputs like ``q`` (``n`` query rows, ``m`` keys), with its
-    device metadata (varlen runs, block masks) built now, before the ring loop."""
+    device metadata (varlen runs, block masks, additive masks) built now, once per batch
+    (``ringseq.attention.plan``), before any ring loop."""
     B, device = q.size(0), q.device
     backend = select(device.type, q.dtype, q.size(-1), name, call=need(spec, device.type, B, n, m))
-    if backend in (CudaVarlen, Flex):
-        backend.prepared(spec, B, n, m, device)
+    prepare = getattr(backend, "prepare", None)
+    if prepare is not None:
+        prepare(spec, q, n, m)
     return backend

@@ -43,6 +43,7 @@ def _columns(rows: slice, sk: int, spec: BlockSpec) -> tuple[int, int]:
 
 class TorchBlocks:
     name, takes_mask, takes_softcap = "torch", True, True
+    exact_lse = True  # takes the merged log-sum-exp at its own precision (else in the accumulation dtype)
 
     @staticmethod
     def applies(device_type: str, dtype: torch.dtype, head_dim: int) -> bool:
@@ -103,4 +104,4 @@ class TorchBlocks:
                 ds = ds * (1 - t * t)  # through the cap: d(c tanh(x/c))/dx = 1 - tanh^2
             dq[..., rows, :] = torch.matmul(ds, kb.unsqueeze(2)) * spec.scale
             dk[..., lo:hi, :] += torch.matmul(ds.transpose(-1, -2), qg[..., rows, :]).sum(2) * spec.scale
-        return dq.flatten(1, 2), dk, dv
+        return dq.flatten(1, 2), dk, dv, 0
