@@ -1,4 +1,5 @@
-"""``ringseq env``: versions, communication backends and the block kernel each device gets."""
+"""``ringseq env``: versions, communication backends, the block kernel each device gets and which
+flash implementation (torch's FA2 or FA3) the GPU's flash ops run."""
 from __future__ import annotations
 
 import importlib.metadata
@@ -33,7 +34,7 @@ def report() -> dict:
     import torch
     import torch.distributed as dist
 
-    from ringseq.attention.kernels import select
+    from ringseq.attention.kernels import flash_impl, select
 
     FEATURES = _features()
 
@@ -54,6 +55,8 @@ def report() -> dict:
     # what each feature gets on a GPU (the choice needs no GPU: it is shown on every machine)
     for feature, call in FEATURES.items():
         info[f"cuda bf16 {feature}"] = select("cuda", torch.bfloat16, 128, call=call).name
+    flash = flash_impl.describe()
+    info["cuda flash kernels"] = f"{flash['impl']} ({flash['why']}; RINGSEQ_FLASH={flash_impl.wanted()})"
     return info
 
 

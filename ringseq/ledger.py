@@ -19,6 +19,12 @@ class Ledger:
     """Seconds in block computes."""
     wait_s: float = 0.0
     """Seconds waiting for peers: ring transfers and lockstep agreements."""
+    block_calls: dict = dataclasses.field(default_factory=dict)
+    """Block kernel calls this rank's rings made, by backend (``ringseq.attention.kernels``)."""
+
+    def count(self, calls: dict) -> None:
+        for name, n in calls.items():
+            self.block_calls[name] = self.block_calls.get(name, 0) + n
 
 
 _ledgers: dict = {}

@@ -86,6 +86,8 @@ class _State:
     """Every rank's ledger as its last record carried it: [calls, compute_s, wait_s] per group rank."""
     baseline: list | None = None
     """The same at the last ``stats(reset=True)``."""
+    block_calls_base: dict = dataclasses.field(default_factory=dict)
+    """This rank's block kernel calls by backend at the last ``stats(reset=True)``."""
     work: list | None = None
     """Visible query-key pairs of a full-attention layer per ring rank, summed over the batches sharded
     since the last ``stats(reset=True)`` (``ringseq.attention.work``; known on every rank from the full batch)."""

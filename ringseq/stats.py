@@ -15,6 +15,7 @@ each rank's attention work (``attention_pairs``, counted from every full batch a
 from __future__ import annotations
 
 from . import lockstep
+from .attention.kernels import flash_impl
 from .ledger import ledger
 from .topology import check_sp
 
@@ -38,7 +39,9 @@ def stats(*, sp, reset: bool = False) -> dict:
     Returns ``{"ranks": [{"calls", "compute_s", "wait_s", "attention_pairs"} per group rank],
     "slowest_rank": the group rank the others waited for, "wait_for_slowest_s": how long the other
     ranks waited on average beyond the slowest rank's own waits, "work_max_over_mean": the busiest
-    rank's attention work over the mean}``. ``attention_pairs`` is the visible query-key pairs of a
+    rank's attention work over the mean, "kernels": {"block_calls": this rank's block kernel calls by
+    backend, "flash": which flash implementation the GPU's flash ops run and why (FA2 or FA3:
+    ``ringseq.attention.kernels.flash_impl``)}}``. ``attention_pairs`` is the visible query-key pairs of a
     full-attention layer that the rank's queries had in the batches sharded in the period, counted
     from the full batches (``ringseq.attention.work``; under Ulysses a ring rank's pairs split over
     its U ranks): imbalance in one's own data, whatever the clocks say. ``reset=True`` starts a new
@@ -57,7 +60,10 @@ def stats(*, sp, reset: bool = False) -> dict:
     others = [r["wait_s"] for i, r in enumerate(ranks) if i != slowest]
     waited = max(0.0, sum(others) / len(others) - ranks[slowest]["wait_s"]) if others else 0.0
     mean = sum(pairs) / len(pairs)
+    calls = dict(ledger(sp).block_calls)
+    since = {name: n - st.block_calls_base.get(name, 0) for name, n in calls.items()}
     if reset:
-        st.baseline, st.work = now, None
+        st.baseline, st.work, st.block_calls_base = now, None, calls
     return {"ranks": ranks, "slowest_rank": slowest, "wait_for_slowest_s": waited,
-            "work_max_over_mean": max(pairs) / mean if mean else 1.0}
+            "work_max_over_mean": max(pairs) / mean if mean else 1.0,
+            "kernels": {"block_calls": {k: n for k, n in since.items() if n}, "flash": flash_impl.describe()}}

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from .kernels import BlockSpec, for_call
+from .kernels import BlockSpec, flash_impl, for_call
 from .masks import RowMask
 from .schedule import rank_schedule
 
@@ -47,6 +47,8 @@ class Plan:
     """Every query row is written first by a fresh call (else the accumulators start at zero)."""
     row_ranges: tuple
     """The distinct query-row slices of the calls (the backward slices the log-sum-exp once each)."""
+    calls: dict
+    """Kernel calls of one ring by backend name (``ringseq.stats``)."""
 
 
 _SHAPES: collections.OrderedDict = collections.OrderedDict()
@@ -72,6 +74,8 @@ def plan(q, opts) -> Plan:
 
 def _make(q, opts) -> Plan:
     B, _, s, _ = q.shape
+    if q.device.type == "cuda":
+        flash_impl.ensure(q.device)  # FA3 or torch's own flash kernels: decided once per process
     sched = rank_schedule(opts.layout, s * opts.P, opts.P, opts.r, opts.causal, opts.info, opts.window)
     written: list[tuple[int, int]] = []  # query-row intervals written so far, in call order
     covered, steps, ranges = True, [], {}
@@ -93,7 +97,9 @@ def _make(q, opts) -> Plan:
         steps.append(tuple(step))
     if not _inside((0, s), written):
         covered = False  # rows no call writes (they see no key): zero output, log-sum-exp FLOOR
-    return Plan(steps=sched.steps, work=tuple(steps), covered=covered, row_ranges=tuple(ranges.values()))
+    calls = collections.Counter(w.kernel.name for step in steps for w in step)
+    return Plan(steps=sched.steps, work=tuple(steps), covered=covered, row_ranges=tuple(ranges.values()),
+                calls=dict(calls))
 
 
 def _inside(span: tuple[int, int], written: list[tuple[int, int]]) -> bool:

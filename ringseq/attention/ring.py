@@ -111,6 +111,8 @@ class _Schedule:
             found = plan(q, opts)
             self.steps, self.work, self.covered, self.row_ranges = (found.steps, found.work, found.covered,
                                                                     found.row_ranges)
+            if failed is None:
+                ledger(opts.sp).count(found.calls)
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
             sched = rank_schedule(opts.layout, q.size(2) * opts.P, opts.P, opts.r, opts.causal, opts.info,
                                   opts.window)

@@ -133,8 +133,9 @@ def test_ring_with_the_cuda_backends_glue_is_exact(cuda_on_cpu, kernel, feature)
     feats = dict(window=kw.get("window"), softcap=kw.get("softcap"))
     ref = attention(q, k, v, dout, causal=True, sinks=sinks, position_ids=pos, attention_mask=mask, **feats)[:4]
     info = TokenInfo(doc=None if pos is None else documents(pos), valid=None if mask is None else mask.bool())
-    for layout in ("zigzag", "striped", RUNS):
-        got = virtual_ring(q, k, v, dout, P=4, layout=layout, info=info, sinks=sinks, kernel=kernel, **feats)
+    for layout, groups in (("zigzag", 1), ("striped", 1), (RUNS, 1), ("zigzag", K)):  # K: one ring per kv head
+        got = virtual_ring(q, k, v, dout, P=4, layout=layout, info=info, sinks=sinks, kernel=kernel,
+                           head_groups=groups, **feats)
         for name, g, r in zip(("out", "dq", "dk", "dv"), got, ref):
             err = (g - r).abs().max().item()
-            assert err < 1e-9 * max(1.0, r.abs().max().item()), (kernel, feature, layout, name, err)
+            assert err < 1e-9 * max(1.0, r.abs().max().item()), (kernel, feature, layout, groups, name, err)
