@@ -29,6 +29,9 @@ class Baton:
     def __init__(self):
         self.cond = threading.Condition()
         self.mail: dict = {}
+        self.rings: dict = {}
+        """Rings each rank has started: the n-th ring of every rank is the same ring (head groups and
+        calls come in the same order on every rank), which keys its mail."""
 
 
 class VirtualComm:
@@ -36,7 +39,10 @@ class VirtualComm:
     hands over a copy of the sent buffer (the copy a real transfer makes into its receive buffer)."""
 
     def __init__(self, baton: Baton, group, ranks, me, sp, label, clock, device, tag: int = 0):
-        self.baton, self.ranks, self.me, self.label = baton, ranks, me, label
+        self.baton, self.ranks, self.me = baton, ranks, me
+        with baton.cond:
+            self.label = (label, baton.rings.get(me, 0))
+            baton.rings[me] = self.label[1] + 1
 
     @classmethod
     def over(cls, baton: Baton):
