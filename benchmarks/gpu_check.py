@@ -1,48 +1,50 @@
-"""The GPU check: ringseq's CUDA path, exact and fast, on one GPU in a few minutes, no downloads.
+"""The GPU check: ringseq's CUDA path, exact and fast, on one GPU in one 10-minute run, no downloads.
 
-    python benchmarks/gpu_check.py                 # --device cuda (one GPU)
+    python benchmarks/gpu_check.py                 # --device cuda (one GPU); needs only torch + ringseq
     python benchmarks/gpu_check.py --device cpu    # the parts that apply on the CPU (CI runs it)
+    python benchmarks/gpu_check.py --only ring --lengths 32768 --ranks 8
 
-(a) ``kernels``  every backend x feature (dense causal, documents, padding, window, softcap,
-                 sinks, GQA) forward and backward on a virtual ring, against a float64 reference
-                 by the 2x rule (``ringseq.tolerance``); a backend refuses what it cannot take
-                 (recorded, not a failure); the default choice must take everything.
-(b) ``speed``    the block kernels' achieved TFLOP/s against plain SDPA flash on the same number
-                 of visible (query, key) pairs, forward + backward (bar on CUDA: >= 90%).
-(c) ``ring``     a whole ring of P virtual ranks on the one device: P threads running ringseq's
-                 own ring loop (``ring_forward``/``ring_backward``) whose transfers are handed
-                 over in memory (NCCL refuses two ranks on one GPU); exact against the reference
-                 for every layout, and the ring's overhead per step against the same kernel calls
-                 run back to back.
-(d) ``model``    a patched tiny Llama (packed documents) training step: loss and gradients against
+Checks, most important first (``--budget-s`` stops starting new rows in time; skipped rows say so):
+
+(1) ``ring``     ring efficiency: one kernel call over the whole sequence / the ring of P virtual
+                 ranks (threads of one process running ringseq's own ring loop, transfers handed over
+                 in memory: NCCL refuses two ranks on one GPU), at 32k and 128k tokens, P = 2, 4, 8,
+                 dense / documents / window, one ring vs one per kv head, with a per-step breakdown
+                 and the loop under ``set_sync_debug_mode("error")`` (``gpu_speed.check_ring``).
+(2) ``blocks``   each block call against the same kernel over the whole sequence: flash, varlen with
+                 the same documents, flash with the same window (128, 1024, 4096), flex with the same
+                 softcap (``gpu_speed.check_blocks``).
+(3) ``kernels``  every backend x feature (dense causal, documents, padding, window, softcap, sinks,
+                 GQA) forward and backward on a virtual ring, against a float64 reference by the 2x
+                 rule (``ringseq.tolerance``); a backend refuses what it cannot take (recorded, not a
+                 failure); the default choice must take everything.
+(4) ``model``    a patched tiny Llama (packed documents) training step: loss and gradients against
                  the unpatched model in the same dtype and in float64.
 
-Off CUDA FlexAttention runs forward only (torch has no CPU backward for it): (a) checks its
-forward there. Prints one JSON line per check and a summary; exits 1 on any exactness failure.
+The first line says where it ran (torch, device, which flash implementation the flash ops run).
+Off CUDA FlexAttention runs forward only (torch has no CPU backward for it): (3) checks its forward
+there. Prints one JSON line per check and a summary; exits 1 on any exactness failure or a ring
+loop that synchronised with the host.
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
-import math
 import os
-import statistics
 import sys
 import time
-import types
 
 import torch
 
-import ringseq
-from ringseq import reference as exact, tolerance
-from ringseq.attention import ring
-from ringseq.attention.kernels import BlockSpec, for_call
-from ringseq.attention.masks import RowMask, TokenInfo, documents
-from ringseq.attention.schedule import rank_schedule
-from ringseq.attention.virtual import virtual_ring as run_virtual_ring
-from ringseq.layouts import global_positions
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_speed  # noqa: E402
+
+import ringseq  # noqa: E402
+from ringseq import reference as exact, tolerance  # noqa: E402
+from ringseq.attention.kernels import flash_impl  # noqa: E402
+from ringseq.attention.masks import TokenInfo, documents  # noqa: E402
+from ringseq.attention.virtual import virtual_ring as run_virtual_ring  # noqa: E402
 
 FEATURES = {
     "dense causal": dict(),
@@ -99,16 +101,12 @@ def _info(c) -> TokenInfo:
     return TokenInfo(valid=info.valid) if info.doc is not None and not bool(info.doc.any()) else info
 
 
-def _shard_rows(layout, S, P, r, device):
-    return global_positions(layout, S, P, r).to(device)
-
-
-def virtual_ring(c, dtype, device, *, P, layout, kernel=None, backward=True):
+def virtual_ring(c, dtype, device, *, P, layout, kernel=None, backward=True, head_groups=1):
     """ringseq's ring loop on P virtual ranks (``ringseq.attention.virtual``): (out, dq, dk, dv) in global order."""
     q, k, v, dout = (c[n].to(device, dtype) for n in ("q", "k", "v", "dout"))
     sinks = None if c["sinks"] is None else c["sinks"].to(device, dtype)
     return run_virtual_ring(q, k, v, dout if backward else None, P=P, layout=layout, info=_info(c), sinks=sinks,
-                            window=c["window"], softcap=c["softcap"], kernel=kernel)
+                            window=c["window"], softcap=c["softcap"], kernel=kernel, head_groups=head_groups)
 
 
 def _check(verdicts) -> None:
@@ -119,8 +117,15 @@ def _check(verdicts) -> None:
 
 # ---------------------------------------------------------------- the checks
 
+_OUT = [None]  # --out: a file that gets the JSON lines too
+
+
 def _record(rows, **row):
-    print(json.dumps(row), flush=True)
+    line = json.dumps(row)
+    print(line, flush=True)
+    if _OUT[0]:
+        with open(_OUT[0], "a") as f:
+            f.write(line + "\n")
     rows.append(row)
 
 
@@ -136,7 +141,8 @@ def _compare(c, got, dtype, device, backward, refs=None):
 
 
 def check_kernels(args, rows):
-    """(a) every backend x feature on a virtual ring, forward and backward (forward only for flex off CUDA)."""
+    """(3) every backend x feature on a virtual ring, forward and backward (forward only for flex off CUDA);
+    then every layout with packed documents, one ring and one per kv head."""
     cuda = args.device == "cuda"
     backends = ["cuda_flash", "cuda_varlen", "flex", "torch", None] if cuda else ["cpu_flash", "flex", "torch", None]
     B, H, S, D, P = (2, 8, 2048, 128, 4) if cuda else (2, 4, 128, 32, 2)
@@ -161,117 +167,23 @@ def check_kernels(args, rows):
                 _record(rows, **row, ok=True)
             except AssertionError as exc:
                 _record(rows, **row, ok=False, error=str(exc)[:300])
-
-
-def _timed(fn, reps):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    sync()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def _block_call(c, kernel, dtype, device):
-    """(fn running one block call forward + backward with ``kernel``, visible pairs of the call)."""
-    q, k, v, dout = (c[n].to(device, dtype) for n in ("q", "k", "v", "dout"))
-    B, H, S, D = q.shape
-    info = TokenInfo(doc=None if c["pos"] is None else documents(c["pos"]))
-    (pc,) = rank_schedule("contiguous", S, 1, 0, True, info, c["window"]).calls[0]
-    mask = RowMask(pc.q, pc.k, info, c["window"], True, B, device) if pc.masked else None
-    spec = BlockSpec(causal=True, scale=1.0 / math.sqrt(D), softcap=c["softcap"], mask=mask)
-    backend = for_call(q, kernel, spec, S, S)
-    pairs = (mask.rows(0, S).sum().item() if mask is not None else B * S * (S + 1) // 2) * H
-
-    def run():
-        out, lse, aux = backend.forward(q, k, v, spec)
-        backend.backward(dout, q, k, v, out, lse.masked_fill(lse == float("-inf"), float("inf")), aux, spec)
-    return run, pairs, backend.name
-
-
-def check_speed(args, rows):
-    """(b) achieved TFLOP/s of the block kernels against SDPA flash on the same visible pairs."""
-    cuda = args.device == "cuda"
-    B, H, S, D = (1, 16, 8192, 128) if cuda else (1, 4, 512, 64)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    dense = make_case(B, H, H, S, D, seed=1)
-    q, k, v, dout = (dense[n].to(args.device, dtype).requires_grad_(n != "dout") for n in ("q", "k", "v", "dout"))
-    backend = contextlib.nullcontext()
-    if cuda:
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        backend = sdpa_kernel(SDPBackend.FLASH_ATTENTION)
-
-    def sdpa():
-        with backend:
-            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dout)
-    flops = lambda pairs: 4 * D * pairs * 3.5  # noqa: E731 - forward 4 D per pair, backward 2.5x that
-    t_sdpa = _timed(sdpa, args.reps)
-    tf_sdpa = flops(B * H * S * (S + 1) // 2) / t_sdpa / 1e12
-    for feature in ("dense causal", "documents", "window", "softcap"):
-        kw = FEATURES[feature]
-        c = make_case(B, H, H, S, D, seed=2, **kw)
-        run, pairs, name = _block_call(c, None, dtype, args.device)
-        t = _timed(run, args.reps)
-        tf = flops(pairs) / t / 1e12
-        ratio = tf / tf_sdpa
-        bar = cuda and feature != "softcap"  # SDPA has no softcap: that row is for information
-        _record(rows, check="speed", feature=feature, kernel=name, tflops=round(tf, 2), sdpa_flash_tflops=round(tf_sdpa, 2),
-                ratio=round(ratio, 3), bar=0.9 if bar else None, ok=True, fast=ratio >= 0.9 if bar else None)
-
-
-def check_ring(args, rows):
-    """(c) a ring of P virtual ranks per layout: exact, and its overhead per ring step."""
-    cuda = args.device == "cuda"
-    B, H, K, S, D, P = (1, 8, 2, 8192, 128, 4) if cuda else (1, 4, 2, 256, 32, 4)
-    dtype = torch.bfloat16
+    # every layout, packed documents, one ring and one per kv head, with the default kernels
+    c = make_case(B, H, 2, S, D, seed=3, packed=True)
+    refs = reference(c, torch.float64, args.device), reference(c, dtype, args.device)
     for layout in ("zigzag", "contiguous", "striped"):
-        c = make_case(B, H, K, S, D, seed=3, packed=True)
-        row = dict(check="ring", layout=layout, P=P, S=S, device=args.device)
-        got = virtual_ring(c, dtype, args.device, P=P, layout=layout)
-        try:
-            row["max_error"] = _compare(c, got, dtype, args.device, True)
-            row["ok"] = True
-        except AssertionError as exc:
-            row.update(ok=False, error=str(exc)[:300])
-        t_ring = _timed(lambda: virtual_ring(c, dtype, args.device, P=P, layout=layout), args.reps)
-        t_kernels, steps = _kernels_only(c, dtype, args.device, P, layout)
-        row.update(ring_s=round(t_ring, 5), kernels_s=round(t_kernels, 5), steps=steps,
-                   overhead_per_step_s=round((t_ring - t_kernels) / (P * steps), 6))
-        _record(rows, **row)
-
-
-def _kernels_only(c, dtype, device, P, layout):
-    """The time of the ring's own kernel calls (every rank, step and call, forward + backward)
-    run back to back, and the ring's step count."""
-    q, k, v, dout = (c[n].to(device, dtype) for n in ("q", "k", "v", "dout"))
-    B, H, S, D = q.shape
-    info = TokenInfo(doc=documents(c["pos"]))
-    work = []
-    for r in range(P):
-        opts = ring.RingOptions(group=None, ranks=tuple(range(P)), r=r, layout=layout, causal=True,
-                                scale=1.0 / math.sqrt(D), info=info,
-                                sp=types.SimpleNamespace(ranks=("virtual", P, r), size=P, stats=False))
-        sched = ring._Schedule(q[:, :, _shard_rows(layout, S, P, r, device)], opts, 0)
-        for t, calls in enumerate(sched.work):
-            j = (r - t) % P
-            qi, ki = _shard_rows(layout, S, P, r, device), _shard_rows(layout, S, P, j, device)
-            for call, kernel, spec in calls:
-                qs, ks = qi[call.q_rows], ki[call.k_rows]
-                work.append((kernel, spec, *(x.contiguous() for x in (q[:, :, qs], k[:, :, ks], v[:, :, ks], dout[:, :, qs]))))
-
-    def run():
-        for kernel, spec, qq, kk, vv, dd in work:
-            out, lse, aux = kernel.forward(qq, kk, vv, spec)
-            kernel.backward(dd, qq, kk, vv, out, lse.masked_fill(lse == float("-inf"), float("inf")), aux, spec)
-    return _timed(run, 3), sched.steps
+        for groups in (1, 2):
+            row = dict(check="kernels", feature="documents, GQA", kernel="auto", layout=layout, head_groups=groups,
+                       device=args.device, backward=True)
+            got = virtual_ring(c, dtype, args.device, P=P, layout=layout, head_groups=groups)
+            try:
+                row["max_error"] = _compare(c, got, dtype, args.device, True, refs)
+                _record(rows, **row, ok=True)
+            except AssertionError as exc:
+                _record(rows, **row, ok=False, error=str(exc)[:300])
 
 
 def check_model(args, rows):
-    """(d) a patched tiny Llama step (packed documents) against the unpatched one."""
+    """(4) a patched tiny Llama step (packed documents) against the unpatched one."""
     try:
         from transformers import LlamaConfig, LlamaForCausalLM
     except ImportError:
@@ -313,29 +225,47 @@ def check_model(args, rows):
         _record(rows, **row, ok=False, error=str(exc)[:300])
 
 
-CHECKS = {"kernels": check_kernels, "speed": check_speed, "ring": check_ring, "model": check_model}
+CHECKS = {"ring": lambda args, rows: gpu_speed.check_ring(args, rows, _record),
+          "blocks": lambda args, rows: gpu_speed.check_blocks(args, rows, _record),
+          "kernels": check_kernels, "model": check_model}
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     p.add_argument("--only", nargs="*", choices=list(CHECKS), default=list(CHECKS))
-    p.add_argument("--reps", type=int, default=None, help="timing repetitions (default: 10 on CUDA, 2 on the CPU)")
+    p.add_argument("--reps", type=int, default=None, help="timing repetitions (default: 3 on CUDA, 2 on the CPU)")
+    p.add_argument("--lengths", nargs="*", type=int, default=None, help="ring: tokens (default 32768 131072 on CUDA)")
+    p.add_argument("--ranks", nargs="*", type=int, default=None, help="ring: virtual ranks (default 2 4 8 on CUDA)")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start no new row after this many seconds")
+    p.add_argument("--out", default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; run with --device cpu for the CPU part", file=sys.stderr)
         return 2
-    args.reps = args.reps or (10 if args.device == "cuda" else 2)
+    args.reps = args.reps or (3 if args.device == "cuda" else 2)
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     rows, start = [], time.perf_counter()
+    args.time_left = lambda: time.perf_counter() - start < args.budget_s
+    _OUT[0] = args.out
+    if args.out:
+        open(args.out, "w").close()
+    _record(rows, check="where", ok=True, torch=torch.__version__, device=_device_name(args.device),
+            flash=flash_impl.ensure(torch.device("cuda")) if args.device == "cuda" else flash_impl.describe())
     for name in args.only:
         CHECKS[name](args, rows)
     failed = [r for r in rows if not r["ok"]]
     slow = [r for r in rows if r.get("fast") is False]
-    print(json.dumps({"summary": True, "device": args.device, "checks": len(rows), "exactness_failures": len(failed),
-                      "below_speed_bar": len(slow), "seconds": round(time.perf_counter() - start, 1)}))
+    skipped = [r for r in rows if r.get("skipped")]
+    print(json.dumps({"summary": True, "device": args.device, "checks": len(rows), "failures": len(failed),
+                      "below_speed_bar": len(slow), "skipped": len(skipped),
+                      "seconds": round(time.perf_counter() - start, 1)}))
     return 1 if failed else 0
+
+
+def _device_name(device: str) -> str:
+    return torch.cuda.get_device_name() if device == "cuda" else "cpu"
 
 
 if __name__ == "__main__":

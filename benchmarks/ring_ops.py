@@ -71,10 +71,20 @@ def _count(case: str, mix: str, dtype_name: str, head_groups, layout: str, seed:
     import torch.distributed as dist
 
     import ringseq
+
+    return count(ringseq.init(sp_size=dist.get_world_size(), layout=layout), case, mix, dtype_name, head_groups, seed)
+
+
+def count(sp, case: str, mix: str | None, dtype_name: str = "bfloat16", head_groups=1, seed: int = 0) -> dict:
+    """Operations per ring step of one ``ring_attention`` forward + backward on the group of ``sp``
+    (every rank calls it; the busiest rank's count is returned on all)."""
+    import torch.distributed as dist
+
+    import ringseq
+    from ringseq.attention.masks import TokenInfo
     from ringseq.attention.schedule import rank_schedule
 
-    P = dist.get_world_size()
-    sp = ringseq.init(sp_size=P, layout=layout)
+    P, layout = sp.size, sp.layout
     dtype = getattr(torch, dtype_name)
     q, k, v, dout, pos = _inputs(P, case, mix, seed, dtype)
     local = [ringseq.shard(t, 1, sp=sp).transpose(1, 2).requires_grad_(True) for t in (q, k, v)]
@@ -90,11 +100,10 @@ def _count(case: str, mix: str, dtype_name: str, head_groups, layout: str, seed:
     counter = OpCount()
     with counter:
         call()
-    steps = rank_schedule(layout, q.size(1), P, sp.ring_rank, True, info or ringseq.attention.masks.TokenInfo(),
-                          None).steps
+    steps = rank_schedule(layout, q.size(1), P, sp.ring_rank, True, info or TokenInfo(), None).steps
     total = sum(counter.ops.values())
     every = [None] * P
-    dist.all_gather_object(every, (total, steps, dict(counter.ops)))
+    dist.all_gather_object(every, (total, steps, dict(counter.ops)), group=sp.group)
     busiest = max(range(P), key=lambda r: every[r][0] / max(1, 2 * every[r][1]))
     total, steps, ops = every[busiest]
     return dict(total_ops=total, ring_steps=steps, ops_per_step=round(total / (2 * steps), 2), busiest_rank=busiest,
@@ -107,24 +116,27 @@ def main(argv=None) -> int:
     p.add_argument("--cases", nargs="+", choices=["dense", "packed"], default=["dense", "packed"])
     p.add_argument("--mixes", nargs="+", choices=balance.MIXES, default=list(balance.MIXES))
     p.add_argument("--dtypes", nargs="+", choices=["bfloat16", "float32"], default=["bfloat16"])
-    p.add_argument("--head-groups", nargs="+", default=["1"], help="1 (one ring), kv (one per kv head) or a number")
+    p.add_argument("--head-groups", nargs="+", default=["1"],
+                   help="1 (one ring), kv (one per kv head), a number, or default (ring_attention's own default)")
     p.add_argument("--layout", default="zigzag")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--show", action="store_true", help="print which operations each case made")
+    p.add_argument("--label", default="", help="a name for this run's rows (e.g. the commit measured)")
     p.add_argument("--out", default=common.RESULTS)
     args = p.parse_args(argv)
-    path = common.fresh_file(args.out, "ring_ops.jsonl")
+    path = os.path.join(args.out, "ring_ops.jsonl")
+    os.makedirs(args.out, exist_ok=True)  # rows are appended: runs of several versions sit side by side
     over = 0
     for world in args.worlds:
         for case in args.cases:
             for mix in (args.mixes if case == "packed" else [None]):
                 for dtype in args.dtypes:
                     for groups in args.head_groups:
-                        hg = groups if groups == "kv" else int(groups)
+                        hg = {"kv": "kv", "default": None}[groups] if groups in ("kv", "default") else int(groups)
                         got = common.run_tree(_count, world, 1, case, mix, dtype, hg, args.layout, args.seed)
                         ops = got.pop("ops")
                         bar = BARS[case] if groups == "1" else None
-                        row = dict(world=world, case=case, mix=mix, dtype=dtype, head_groups=groups,
+                        row = dict(run=args.label, world=world, case=case, mix=mix, dtype=dtype, head_groups=groups,
                                    layout=args.layout, **got, bar=bar, within=None if bar is None else
                                    got["ops_per_step"] <= bar)
                         over += row["within"] is False
@@ -134,7 +146,41 @@ def main(argv=None) -> int:
                             f.write(line + "\n")
                         if args.show:
                             print("   ", ops, flush=True)
+    plot(path, os.path.join(args.out, "ring_ops.png"))
     return 1 if over else 0
+
+
+def plot(jsonl: str, png: str) -> None:
+    """Operations per ring step by case, one bar per run and head grouping (bf16 rows)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(jsonl) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if r["dtype"] == "bfloat16"]
+    cases = list(dict.fromkeys((r["world"], r["case"], r["mix"]) for r in rows))
+    series = list(dict.fromkeys((r.get("run", ""), r["head_groups"]) for r in rows))
+    fig, ax = plt.subplots(figsize=(max(6, 1.3 * len(cases)), 4))
+    width = 0.8 / max(1, len(series))
+    for n, (run, groups) in enumerate(series):
+        got = {(r["world"], r["case"], r["mix"]): r["ops_per_step"] for r in rows
+               if (r.get("run", ""), r["head_groups"]) == (run, groups)}
+        xs = [i + n * width for i, c in enumerate(cases) if c in got]
+        ax.bar(xs, [got[c] for c in cases if c in got], width,
+               label=f"{run or 'this run'}, head_groups={groups}")
+    for bar, name in ((16, "dense bar"), (24, "packed bar")):
+        ax.axhline(bar, color="grey", linestyle=":", linewidth=1)
+        ax.text(len(cases) - 0.5, bar, name, va="bottom", ha="right", fontsize=8, color="grey")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+    ax.set_xticklabels([f"P={w} {c}" + (f"\n{m}" if m else "") for w, c, m in cases], fontsize=8)
+    ax.set_ylabel("operations per ring step\n(outside the attention kernels)")
+    ax.set_title("One ring_attention forward + backward, bf16, 512 tokens per rank, zigzag")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

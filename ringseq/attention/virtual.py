@@ -9,6 +9,7 @@ transfer), so their kernels never run concurrently and a ring of threads cannot 
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import types
@@ -96,14 +97,15 @@ class VirtualRing:
         self.inputs = [[None if t is None else _seq_major(t[:, :, i]) for t in (q, k, v, dout)] for i in self.idx]
         self.sinks, self.backward = sinks, dout is not None
 
-    def run(self) -> list:
-        """[(out, dq, dk, dv) or (out,)] per rank, each in the rank's local order."""
+    def run(self, within=None) -> list:
+        """[(out, dq, dk, dv) or (out,)] per rank, each in the rank's local order. ``within(r)``: a
+        context manager each rank's thread runs inside (e.g. a dispatch mode: those are per thread)."""
         P = self.P
         results, errors = [None] * P, []
 
         def rank(r):
             q, k, v, dout = self.inputs[r]
-            with self.baton.cond:  # held while computing; a transfer's wait lets go of it
+            with self.baton.cond, (within(r) if within else contextlib.nullcontext()):  # a wait lets go of it
                 try:
                     out, lse, aux = ring.forward_by_heads(q, k, v, self.sinks, self.opts[r])
                     grads = ()

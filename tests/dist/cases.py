@@ -199,3 +199,19 @@ def interleaved_nodes():
     from tests.integration.cases_parity import parity
 
     parity("qwen3_5", "zigzag", "plain", 64, sp=sp)
+
+
+def ops_per_ring_step(case: str, mix: str | None):
+    """One ring_attention forward + backward makes at most issue 36's bar of operations per ring step
+    outside its attention kernels (``benchmarks/ring_ops.py``: bf16, GQA 8/2, D 64, 512 tokens per
+    rank, zigzag, sends and receives counted): 16 dense, 24 packed (it was 40-42 and 69-128)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+    import ring_ops
+
+    sp = shared_init(sp_size=dist.get_world_size(), layout="zigzag")
+    got = ring_ops.count(sp, case, mix)
+    assert got["ops_per_step"] <= ring_ops.BARS[case], got
+    return got["ops_per_step"]

@@ -29,3 +29,9 @@ def test_torch_kernel_matches_reference(pool, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bytes_per_ring_step(pool, layout, dtype):
     pool.run(cases.traffic, layout, dtype)
+
+
+@pytest.mark.parametrize("case,mix", [("dense", None), ("packed", "prolong64k"), ("packed", "pile")])
+def test_little_work_per_ring_step(pool2, pool4, case, mix):
+    pool2.run(cases.ops_per_ring_step, case, mix)
+    pool4.run(cases.ops_per_ring_step, case, mix)

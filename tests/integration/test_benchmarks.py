@@ -100,16 +100,24 @@ def test_gpu_check_runs_its_cpu_part():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     summary = rows.pop()
-    assert summary["summary"] and summary["exactness_failures"] == 0 and summary["checks"] == len(rows)
-    assert all(r["ok"] for r in rows)
-    assert {r["check"] for r in rows} == {"kernels", "speed", "ring", "model"}
-    kernels = [r for r in rows if r["check"] == "kernels"]
+    assert summary["summary"] and summary["failures"] == 0 and summary["checks"] == len(rows)
+    assert all(r["ok"] for r in rows) and summary["skipped"] == 0
+    assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model"}
+    kernels = [r for r in rows if r["check"] == "kernels" and "layout" not in r]
     assert {r["kernel"] for r in kernels} == {"cpu_flash", "flex", "torch", "auto"}
     assert {r["feature"] for r in kernels} == {"dense causal", "documents", "padding", "window", "softcap", "sinks", "GQA"}
     assert [r for r in kernels if "refused" in r] == [r for r in kernels if r["kernel"] == "cpu_flash"
                                                       and r["feature"] == "softcap"]
     assert all("max_error" in r for r in kernels if "refused" not in r)
-    assert {r["layout"] for r in rows if r["check"] == "ring"} == {"zigzag", "contiguous", "striped"}
+    layouts = [(r["layout"], r["head_groups"]) for r in rows if r["check"] == "kernels" and "layout" in r]
+    assert sorted(layouts) == sorted((x, g) for x in ("zigzag", "contiguous", "striped") for g in (1, 2))
+    ring = [r for r in rows if r["check"] == "ring"]
+    assert {(r["mask"], r["P"], r["head_groups"]) for r in ring} == {
+        (m, P, g) for m in ("dense", "documents", "window=128") for P in (2, 4) for g in ("one ring", "one per kv head")}
+    assert all(r["efficiency"] > 0 and r["ops_per_rank_step"] > 0 and r["sync_free"] is None for r in ring)
+    blocks = [r for r in rows if r["check"] == "blocks"]
+    assert {r["mask"] for r in blocks} == {"dense", "documents", "window=128", "window=1024", "window=4096"}
+    assert all(r["kernel"] == "cpu_flash" and r["ratio"] > 0 for r in blocks)
 
 
 @pytest.mark.slow  # three process trees; the state passing it measures is tested in test_hybrid_models
