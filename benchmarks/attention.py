@@ -53,11 +53,11 @@ def _positions(impl: str, N: int, P: int, r: int) -> torch.Tensor:
 class _Echo:
     """A transfer that 'receives' what it sent: same shapes, no communication."""
 
-    def __init__(self, tensors):
-        self._tensors = [t.contiguous() for t in tensors]
+    def __init__(self, parts):
+        self._flat = parts[0].clone() if len(parts) == 1 else torch.cat([p.reshape(-1) for p in parts])
 
     def wait(self):
-        return self._tensors
+        return self._flat  # the sent buffer handed back: what a transfer's receive buffer holds
 
 
 def _ringseq_step(compute_only: bool):
@@ -65,7 +65,7 @@ def _ringseq_step(compute_only: bool):
     from ringseq.attention.comm import RingComm
 
     if compute_only:
-        RingComm.post = lambda self, tensors, shift=1: _Echo(tensors)
+        RingComm.post = lambda self, parts, step, shift=1, kind="kv": _Echo(parts)
     sp = ringseq.init(sp_size=dist.get_world_size())
     return lambda q_, k_, v_: ringseq.ring_attention(q_, k_, v_, sp=sp, causal=True)
 

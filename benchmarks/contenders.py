@@ -73,7 +73,7 @@ class Ringseq:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
         model.train()
         ringseq.patch(model, sp=sp, chunked_loss="loss" in features, tiled_mlp=True if "tiled" in features else None,
-                      keep_ring_outputs="replay" not in features)
+                      keep_ring_outputs="replay" not in features, head_groups="kv" if "groups" in features else None)
         self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=DS_CONFIG,
                                              optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
 

@@ -13,7 +13,8 @@ Systems (one fresh process tree each, gloo, one SGD step = forward + backward + 
   memory features named in the config: ``loss`` (the chunked loss; without it full logits),
   ``ckpt`` (checkpointing that keeps ring outputs), ``replay`` (checkpointing whose recompute
   replays the ring: ``keep_ring_outputs=False``), ``tiled`` (tiled MLP), ``offload`` (checkpointed
-  activations in host memory: on CPU a copy that saves nothing).
+  activations in host memory: on CPU a copy that saves nothing), ``groups`` (one ring per kv head:
+  ``patch(head_groups="kv")``; without it one ring for all heads, the default).
 
 The model is a Llama of 4 layers, d=512, MLP 2048, 8 q / 4 kv heads, vocab 32000 (47M parameters:
 MLP, logits and attention all matter); ``--model tiny`` is a toy size for the test suite;

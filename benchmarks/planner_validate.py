@@ -92,7 +92,7 @@ def predict(inputs: dict) -> dict:
 def longest_inputs(system: str, N: int) -> dict | None:
     """The ``ringseq.plan`` keywords of one ``longest.py`` probe (its "bench" Llama, fp32, one SGD
     step), or None for what the planner does not cost: DeepSpeed ALST, and the checkpointing
-    that replays the ring (``keep_ring_outputs=False``). ringseq runs through
+    that replays the ring (``keep_ring_outputs=False``). ``groups``: one ring per kv head. ringseq runs through
     ``ringseq.initialize`` with ZeRO-1 (so DeepSpeed's reduce bucket counts), the unpatched model
     without DeepSpeed; ``tiled`` is ``tiled_mlp=True``, one tile per hidden_size local tokens."""
     from ringseq.patches.tiled_mlp import tiles_for
@@ -105,7 +105,8 @@ def longest_inputs(system: str, N: int) -> dict | None:
     return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
                 zero_stage=0 if kind == "unpatched" else 1,
                 optimizer=kind != "unpatched", chunked_loss="loss" in features, checkpointing="ckpt" in features,
-                tiled_mlp=tiles if tiles > 1 else None, offload="offload" in features, layout="zigzag", ulysses_size=1)
+                tiled_mlp=tiles if tiles > 1 else None, offload="offload" in features, layout="zigzag", ulysses_size=1,
+                head_groups="kv" if "groups" in features else None)
 
 
 def predict_step_mb(inputs: dict) -> float:

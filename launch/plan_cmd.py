@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--tiled-mlp", type=int, default=None, metavar="N",
                    help="compute each MLP in N sequence tiles, recomputed in backward (default: off)")
     p.add_argument("--offload", action="store_true", help="optimizer state in host memory (default: off)")
+    p.add_argument("--head-groups", default=None, metavar="N|kv",
+                   help="rings per attention call, one after the other (a memory switch: less memory, more "
+                        "launches and latencies): kv for one per kv head, or a number (default: one ring)")
     p.add_argument("--intra-gbps", type=float, default=None,
                    help="GB/s per device inside a node (default: the preset's)")
     p.add_argument("--inter-gbps", type=float, default=None,
@@ -73,7 +76,16 @@ def make_plan(args):
                         hardware=args.hardware, zero_stage=args.zero_stage, training=not args.inference,
                         layout=args.layout, sp_size=args.sp_size, checkpointing=args.checkpointing,
                         tiled_mlp=args.tiled_mlp, offload=args.offload, intra_gbps=args.intra_gbps,
-                        inter_gbps=args.inter_gbps, tflops=args.tflops)
+                        inter_gbps=args.inter_gbps, tflops=args.tflops, head_groups=_head_groups(args.head_groups))
+
+
+def _head_groups(text):
+    if text is None or text == "kv":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise SystemExit(f"ringseq plan: --head-groups takes kv or a number, got {text!r}") from None
 
 
 def table(p) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import inspect
 import os
 
 import torch
@@ -133,7 +134,15 @@ def _group(ranks, made: dict, **options):
             made[key] = (dist.new_group(list(ranks), use_local_synchronization=True, **options)
                          if ranks == (me,) else None)
         else:
-            order = {} if list(ranks) == sorted(ranks) else {"sort_ranks": False}
+            order = {}
+            if list(ranks) != sorted(ranks):
+                if "sort_ranks" not in inspect.signature(dist.new_group).parameters:
+                    raise RingSeqError(f"the ranks {list(ranks)} of a group are in node order, not in rank order "
+                                       f"(the launcher interleaves the nodes' ranks); torch {torch.__version__} "
+                                       f"makes groups in rank order only, which would scramble the ring. Use "
+                                       f"torch >= 2.13 (dist.new_group(sort_ranks=False)), or launch with each "
+                                       f"node's ranks consecutive (torchrun, deepspeed and accelerate do)")
+                order = {"sort_ranks": False}
             made[key] = dist.new_group(list(ranks), **options, **order)
     return made[key]
 

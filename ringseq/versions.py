@@ -15,7 +15,7 @@ from packaging.version import Version
 from .errors import RingSeqError
 
 RANGES = {
-    "torch": ("2.13", "3"),
+    "torch": ("2.9", "3"),  # FlexAttention's AuxRequest (2.9); groups in node order need 2.13 (topology)
     "transformers": ("5.0", "6"),  # its AttentionInterface / AttentionMaskInterface and decoder signatures
     "deepspeed": ("0.19.8", "0.20"),  # zero.Init(module=...) and the reductions measured in deepspeed_glue
     "accelerate": ("1.15", "2"),  # Accelerator._prepare_deepspeed, PartialState._shared_state

@@ -45,8 +45,6 @@ class Plan:
     """This rank's ``Work`` per step."""
     covered: bool
     """Every query row is written first by a fresh call (else the accumulators start at zero)."""
-    row_ranges: tuple
-    """The distinct query-row slices of the calls (the backward slices the log-sum-exp once each)."""
     calls: dict
     """Kernel calls of one ring by backend name (``ringseq.stats``)."""
 
@@ -78,7 +76,7 @@ def _make(q, opts) -> Plan:
         flash_impl.ensure(q.device)  # FA3 or torch's own flash kernels: decided once per process
     sched = rank_schedule(opts.layout, s * opts.P, opts.P, opts.r, opts.causal, opts.info, opts.window)
     written: list[tuple[int, int]] = []  # query-row intervals written so far, in call order
-    covered, steps, ranges = True, [], {}
+    covered, steps = True, []
     for calls in sched.calls:
         step = []
         for pc in calls:
@@ -92,14 +90,12 @@ def _make(q, opts) -> Plan:
             if not fresh and not _inside(span, written):
                 covered = False  # rows of a merged call not written before: the accumulators start at zero
             written.append(span)
-            ranges[span] = rows
             step.append(Work(rows, keys, kernel, spec, fresh, mask is not None))
         steps.append(tuple(step))
     if not _inside((0, s), written):
         covered = False  # rows no call writes (they see no key): zero output, log-sum-exp FLOOR
     calls = collections.Counter(w.kernel.name for step in steps for w in step)
-    return Plan(steps=sched.steps, work=tuple(steps), covered=covered, row_ranges=tuple(ranges.values()),
-                calls=dict(calls))
+    return Plan(steps=sched.steps, work=tuple(steps), covered=covered, calls=dict(calls))
 
 
 def _inside(span: tuple[int, int], written: list[tuple[int, int]]) -> bool:

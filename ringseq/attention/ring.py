@@ -43,7 +43,7 @@ from ringseq import lockstep
 from ringseq.errors import RingSeqError
 from ringseq.ledger import Clock, ledger
 
-from .comm import Block, RingComm, first_parts, travels_as_is
+from .comm import Block, RingComm, first_parts, travels_as_is, wire
 from .kernels.common import LSE, acc_dtype
 from .masks import TokenInfo
 from .plan import FLOOR, plan
@@ -109,14 +109,13 @@ class _Schedule:
         """Whether ``error`` is an earlier group's (already reported)."""
         try:
             found = plan(q, opts)
-            self.steps, self.work, self.covered, self.row_ranges = (found.steps, found.work, found.covered,
-                                                                    found.row_ranges)
+            self.steps, self.work, self.covered = found.steps, found.work, found.covered
             if failed is None:
                 ledger(opts.sp).count(found.calls)
         except RingSeqError as exc:  # a forced kernel that cannot take a call: fail like a block compute
             sched = rank_schedule(opts.layout, q.size(2) * opts.P, opts.P, opts.r, opts.causal, opts.info,
                                   opts.window)
-            self.steps, self.work, self.covered, self.row_ranges = sched.steps, [()] * sched.steps, False, ()
+            self.steps, self.work, self.covered = sched.steps, [()] * sched.steps, False
             self.error = self.error or exc
         self.clock = Clock(opts.sp)
         self.comm = None
@@ -125,14 +124,17 @@ class _Schedule:
                                        tag=number)
 
     def send(self, what, t: int, shift: int = 1, kind: str = "kv"):
-        """Post ``what`` (a received ``Block``, sent on as it is, or the call's own tensors) to the
-        rank ``shift`` places ahead; a rank that failed marks it so."""
+        """Post ``what`` (a ``Block``, or a rank's own tensors: K and V, or its first dK and dV) to the
+        rank ``shift`` places ahead; a rank that failed marks it so. A ring's first hop of each kind
+        sends the pieces of a buffer (each tensor and the status: every rank alike, whatever it
+        holds, since a receive takes the sender's pieces), every later hop one buffer as it came."""
+        failed = self.error is not None
         if isinstance(what, Block):
-            if self.error is not None:
+            if failed:
                 what.status.fill_(1)
-            parts = [what.flat]
+            parts = [what.flat] if t else [wire(x) for x in what.views] + [what.status]
         else:
-            parts = first_parts(what, what[0].dtype, self.error is not None)
+            parts = first_parts(what, what[0].dtype, failed)
         return self.comm.post(parts, t, shift, kind)
 
     def compute(self, t: int, work) -> None:
@@ -226,18 +228,20 @@ def ring_forward(q, k, v, sinks, opts: RingOptions, groups: _Groups | None = Non
     (``forward_by_heads``); a failure is then recorded there, not raised."""
     sched = _start(q, opts, opts.numbers.forward, groups)
     B, H, s, D = q.shape
-    out = torch.empty((B, s, H, D), dtype=acc_dtype(q), device=q.device).transpose(1, 2)
-    lse = torch.empty((B, H, s), dtype=lse_dtype(q), device=q.device)
-    if not sched.covered:  # rows no fresh call writes first: output 0, log-sum-exp FLOOR
-        out.zero_()
-        lse.fill_(FLOOR)
+    acc, whole = acc_dtype(q), slice(0, s)
     kv, block, aux = (_uncopied(k), _uncopied(v)), None, None
     shapes = tuple(tuple(t.shape) for t in kv)
+    out = lse = None  # the accumulators: made at the first partial (adopted when it is one already)
 
     def work(w):
-        nonlocal aux
+        nonlocal aux, out, lse
         o, l, a = w.kernel.forward(q[:, :, w.q_rows], kv[0][:, :, w.k_rows], kv[1][:, :, w.k_rows], w.spec)
         aux = aux if aux is not None else a
+        if out is None and w.fresh and w.q_rows == whole and o.dtype == acc and travels_as_is(o):
+            out, lse = o, _as_lse(l, lse_dtype(q), w.empty)  # the first partial covers every row: no copy
+            return
+        if out is None:
+            out, lse = _accumulators(q, sched.covered)
         if w.fresh:
             _fresh(out, lse, w.q_rows, o, l, w.empty)
         else:
@@ -250,9 +254,31 @@ def ring_forward(q, k, v, sinks, opts: RingOptions, groups: _Groups | None = Non
             block = Block(pending.wait(), shapes)
             kv = block.views
     sched.finish([block], None if groups is None else groups.errors)
+    if out is None:  # no call at all (every block hidden), or a failed compute (the call raised above)
+        out, lse = _accumulators(q, covered=False)
     if sinks is not None:
         _fold_sinks(out, lse, sinks)
     return out if out.dtype == q.dtype else out.to(q.dtype), lse, aux
+
+
+def _accumulators(q, covered: bool):
+    """The output accumulator (fp32, fp64 for fp64; transformers' [B, s, H, D] memory) and the
+    log-sum-exp; zero output and FLOOR where no fresh call will write first (not ``covered``)."""
+    B, H, s, D = q.shape
+    out = torch.empty((B, s, H, D), dtype=acc_dtype(q), device=q.device).transpose(1, 2)
+    lse = torch.empty((B, H, s), dtype=lse_dtype(q), device=q.device)
+    if not covered:
+        out.zero_()
+        lse.fill_(FLOOR)
+    return out, lse
+
+
+def _as_lse(l, dtype, empty: bool):
+    """A first partial's log-sum-exp as the running one (FLOOR for rows that see nothing)."""
+    if l.dtype == dtype and not empty:
+        return l
+    got = l.to(dtype)
+    return got.clamp_(min=FLOOR) if empty else got
 
 
 def lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -290,8 +316,9 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_int
     if dout.stride(-1) != 1:  # the gradient usually comes as transformers' layout: taken as it is
         dout = _seq_major(dout, dout.dtype)
     B, H, s, D = q.shape
-    dq = dq_into if dq_into is not None else torch.empty((B, s, H, D), dtype=acc, device=q.device).transpose(1, 2)
-    if not sched.covered:
+    whole = slice(0, s)
+    dq = dq_into
+    if dq is not None and not sched.covered:
         dq.zero_()
     kv, kv_block = (_uncopied(k), _uncopied(v)), None
     shapes = tuple(tuple(t.shape) for t in kv)
@@ -304,38 +331,66 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_int
             rows_lse[key] = lse[:, :, rows].to(dtype).contiguous()
         return rows_lse[key]
 
-    own = None  # the dK/dV of the block this rank holds, as far as the ranks before it summed them
+    own = None
+    """The dK/dV of the block this rank holds, as far as this rank and the ranks before it summed
+    them: a received ``Block``, or this step's first kernel gradients adopted as [dk, dv] when they
+    cover every key (sent as the pieces of one buffer), else a zeroed ``Block``."""
+
+    def add_kv(gk, gv, keys: slice):
+        nonlocal own
+        if own is None:
+            if keys == slice(0, shapes[0][2]) and all(g.dtype == acc and travels_as_is(g) for g in (gk, gv)):
+                own = [gk, gv]
+                return
+            own = Block.zeros(shapes, acc, q.device)
+        into = own if isinstance(own, list) else own.views
+        into[0][:, :, keys].add_(gk)
+        into[1][:, :, keys].add_(gv)
 
     def work(w):
+        nonlocal dq
         qr, kr = w.q_rows, w.k_rows
         gq, gk, gv, lo = w.kernel.backward(dout[:, :, qr], q[:, :, qr], kv[0][:, :, kr], kv[1][:, :, kr],
                                            out[:, :, qr], lse_of(qr, w.kernel), aux, w.spec)
-        if w.fresh:
-            dq[:, :, qr].copy_(gq)
-        else:
-            dq[:, :, qr].add_(gq)
-        keys = slice(kr.start + lo, kr.start + lo + gk.size(2))
-        own.views[0][:, :, keys].add_(gk)
-        own.views[1][:, :, keys].add_(gv)
+        if dq is None:
+            if w.fresh and qr == whole and gq.dtype == acc:
+                dq = gq  # the first gradient covers every row: it is the accumulator
+            else:
+                dq = torch.empty((B, s, H, D), dtype=acc, device=q.device).transpose(1, 2)
+                if not sched.covered:
+                    dq.zero_()
+        if dq is not gq:
+            if w.fresh:
+                dq[:, :, qr].copy_(gq)
+            else:
+                dq[:, :, qr].add_(gq)
+        add_kv(gk, gv, slice(kr.start + lo, kr.start + lo + gk.size(2)))
 
     # Block j's dK/dV accumulators arrive from the rank that held it before. On a GPU they arrive
-    # while this step computes and are added to this rank's own (one flat add); on the CPU (gloo:
+    # while this step computes, and this step's own are added into them after; on the CPU (gloo:
     # a transfer cannot be polled, only waited for) they are waited for first and this step adds
-    # into them: no second accumulator is alive during the compute.
+    # into them directly: no second accumulator is alive during the compute. Either way the
+    # received buffer goes on to the next rank.
     eager = q.device.type == "cpu"
     travelling = None
     T = sched.steps
     for t in range(T):
         last = t == T - 1
         pending = None if last else sched.send(kv if kv_block is None else kv_block, t)
+        own = None
         if eager and travelling is not None:
             own, travelling = Block(travelling.wait(), shapes), None
-        else:
-            own = Block.zeros(shapes, acc, q.device)
         sched.compute(t, work)
         if travelling is not None:
-            own.flat.add_(travelling.wait())
-            travelling = None
+            received, travelling = Block(travelling.wait(), shapes), None
+            if isinstance(own, Block):
+                received.flat.add_(own.flat)  # dK, dV and the status in one pass
+            elif own is not None:
+                for into, mine in zip(received.views, own):
+                    into.add_(mine)
+            own = received
+        if own is None:  # nothing of this rank's own at this step, nothing received
+            own = Block.zeros(shapes, acc, q.device)
         if T > 1:  # on to the next rank; after the last step home to the rank that owns the block
             travelling = sched.send(own, t, shift=-(T - 1) if last else 1, kind="dkv")
         if pending is not None:
@@ -343,7 +398,10 @@ def ring_backward(dout, q, k, v, sinks, out, lse, aux, opts: RingOptions, dq_int
             kv = kv_block.views
     home = own if travelling is None else Block(travelling.wait(), shapes)
     sched.finish([kv_block, home if T > 1 else None], None if groups is None else groups.errors)
-    dk, dv = (g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(home.views, (k, v)))
+    grads = home if isinstance(home, list) else home.views
+    dk, dv = (g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, (k, v)))
+    if dq is None:  # no call at all
+        dq = torch.zeros_like(q, dtype=acc)
     dsinks = None
     if sinks is not None:
         # a sum over every query of terms that largely cancel: accumulate it in fp64 (cheap, [B,H,s])

@@ -13,8 +13,10 @@ a causal mask; 1/2 at step 0 and 1 after it for contiguous (the ring waits for t
 the most visible keys); 1 without a mask. Each step after the first merges its partial output
 into the fp32 accumulator through memory (c h D (8 + b) bytes). The diagonal step computes
 the kernel tiles the causal mask cuts whole: 4 c min(tile, c) / 2 h D FLOPs more. With a ring
-of more than one rank, step compute is scaled by the preset's ``ring_compute_factor`` and each
-call pays ``ring_overhead_ms`` (both measured on CPU; 1 and 0 on the GPU presets).
+of more than one rank, step compute is scaled by the preset's ``ring_compute_factor``, each step
+pays its own operations' launches (``STEP_OPS`` x ``launch_us``, per ring: head groups pay them
+once per group) and each call pays ``ring_overhead_ms`` (factor and overhead measured on CPU; 1
+and 0 on the GPU presets, whose ``launch_us`` is a typical CUDA launch).
 """
 from __future__ import annotations
 
@@ -47,32 +49,40 @@ def step_shares(R: int, layout: str, causal: bool) -> list[float]:
     return [0.5] * R
 
 
+STEP_OPS = (7, 7)
+"""Operations a ring step makes outside its kernels, forward and backward, per ring (one ring for all
+heads; ``benchmarks/ring_ops.py``, dense: the hop's send and receive and the in-place merge's five
+forward; two hops and three accumulations backward). Each is a kernel launch on a GPU."""
+
+
 def ring_layer(m: ModelSpec, hw: Hardware, S: int, R: int, U: int, *, layout: str = "zigzag", causal: bool = True,
-               training: bool = True, inter: bool = False, slowdown: float = 1.0, batch: int = 1) -> RingTime:
+               training: bool = True, inter: bool = False, slowdown: float = 1.0, batch: int = 1,
+               groups: int = 1) -> RingTime:
     """Ring (x Ulysses) attention of one layer; ``inter``: the ring crosses nodes; ``slowdown``:
-    compute time multiplier (ranks sharing cores). One ring per kv head the rank holds
-    (``ring_attention``'s head_groups default), one after the other: the same bytes and blocks,
-    each step's transfers made k times, so k link latencies per step."""
+    compute time multiplier (ranks sharing cores). ``groups``: rings per call, one after the
+    other (``head_groups``; 1: one ring for all heads): the same bytes and blocks, but every step's
+    launches (``STEP_OPS`` x ``launch_us``) and link latency paid once per ring."""
     c, h, k, b = S / R, m.H / U, max(m.K / U, 1), hw.bytes
-    groups = int(k)
     full = 4 * c * c * h * m.D * batch
     diagonal = 4 * c * min(hw.causal_tile, c) / 2 * h * m.D * batch  # whole tiles on the diagonal
     bw, lat = hw.link(inter)
     fwd_rate = hw.peak_tflops * 1e12 * hw.attn_fwd_efficiency / slowdown
     bwd_rate = hw.peak_tflops * 1e12 * hw.attn_bwd_efficiency / slowdown
     hbm = hw.hbm_gbps * 1e9 / slowdown
-    passes = [(fwd_rate, 1.0, 2 * c * k * m.D * b, c * h * m.D * (8 + b))]
+    launch = hw.launch_us * 1e-6 * groups
+    passes = [(fwd_rate, 1.0, 2 * c * k * m.D * b, c * h * m.D * (8 + b), STEP_OPS[0] * launch)]
     if training:
-        passes.append((bwd_rate, BWD_FLOPS, 2 * c * k * m.D * (b + 4), c * (h + 2 * k) * m.D * (8 + b)))
+        passes.append((bwd_rate, BWD_FLOPS, 2 * c * k * m.D * (b + 4), c * (h + 2 * k) * m.D * (8 + b),
+                       STEP_OPS[1] * launch))
     shares = step_shares(R, layout, causal)
     factor = hw.ring_compute_factor if R > 1 else 1.0
     time = exposed = ideal = 0.0
-    for rate, flops, wire, merge in passes:
+    for rate, flops, wire, merge, launches in passes:
         wire, merge = wire * batch, merge * batch
         comm = groups * lat + wire / bw if R > 1 else 0.0
         for t, share in enumerate(shares):
             work = share * full + (diagonal if t == 0 and causal else 0.0)
-            compute = factor * (work * flops / rate + (merge / hbm if t else 0.0))
+            compute = factor * (work * flops / rate + (merge / hbm if t else 0.0)) + (launches if R > 1 else 0.0)
             transfer = comm if t < R - 1 else 0.0
             time += max(compute, transfer)
             exposed += max(0.0, transfer - compute)

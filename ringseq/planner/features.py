@@ -28,6 +28,16 @@ class Features:
     """Optimizer state (and with ZeRO-3 the weights) offloaded to host memory."""
     micro_batch: int = 1
     """Sequences per step and rank group."""
+    head_groups: int | str | None = None
+    """Rings per attention call (``ringseq.patch(head_groups=...)``): None or 1 one ring for all heads,
+    "kv" one per kv head a rank holds, n: n rings over equal shares. Each ring holds its group's
+    buffers only (memory) and pays every step's launches and transfer latency again (time)."""
+
+    def groups(self, k: float) -> int:
+        """The rings per call for ``k`` kv heads per rank."""
+        if self.head_groups in (None, 1):
+            return 1
+        return max(int(k), 1) if self.head_groups == "kv" else int(self.head_groups)
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -36,3 +46,6 @@ class Features:
             raise RingSeqError(f"tiled_mlp must be a number of tiles >= 1 or None, got {self.tiled_mlp!r}")
         if self.micro_batch < 1:
             raise RingSeqError(f"micro_batch must be >= 1, got {self.micro_batch}")
+        hg = self.head_groups
+        if not (hg is None or hg == "kv" or (isinstance(hg, int) and not isinstance(hg, bool) and hg >= 1)):
+            raise RingSeqError(f'head_groups must be None, "kv" or a positive int, got {hg!r}')

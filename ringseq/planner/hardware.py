@@ -51,6 +51,9 @@ class Hardware:
     ring_overhead_ms: float = 0.0
     """Fixed time of one ring attention call, forward + backward, with a ring of more than one
     rank (Python, agreements, transfer set-up); measured on CPU, 0 where unmeasured."""
+    launch_us: float = 0.0
+    """Device time of one small operation of a ring step (a kernel launch and a pass over a block;
+    ``cost.STEP_OPS`` per step and ring). 0 on the CPU, whose ``ring_compute_factor`` holds it."""
     causal_tile: int = 128
     """Keys per kernel tile: a causal (diagonal) block of n queries computes n * tile / 2 FLOP-pairs
     more than its n^2 / 2 visible ones, since tiles the diagonal cuts are computed whole."""

@@ -60,30 +60,29 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, ho
     ring = R > 1
     mlp_saved = 0 if f.tiled_mlp else 4 * m.F * b  # gate, up, silu(gate), product (a tiled MLP saves none)
     saved = (layer_elements(m) - 4 * m.F) * b + mlp_saved
-    if ring:  # ringseq's ring keeps its log-sum-exp in fp64
-        saved += m.H * (LSE - b)
+    lse = LSE if b >= ACC else ACC  # ringseq's ring keeps its log-sum-exp in fp64 (fp32 for half inputs)
+    if ring:
+        saved += m.H * (lse - b)
     kept = saved
     if f.checkpointing:  # the layer input, and the ring output and log-sum-exp ringseq keeps
-        kept = m.d * b + (m.H * D * b + m.H * LSE if ring else 0)
+        kept = m.d * b + (m.H * D * b + m.H * lse if ring else 0)
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
-        # One ring per kv head (``ring_attention``'s head_groups default), one after the other:
-        # what a ring holds is one group's, g = k of them. The group's dout (its contiguous copy
-        # off CPUs), dq and the kernel's dq; K/V: the receive sets (b), one where the ring makes one
-        # hop (R = 2), else two (a group's heads are copied out of transformers' layout for the
-        # wire, ``comm.wire``, as are all heads after Ulysses' head-major all-to-all); dK/dV
-        # (fp32): this step's, the kernel's, the sent ones in flight and the received set. On
-        # CPUs (``ringseq.attention.ring``): no dout copy (aten's CPU flash kernel takes
-        # transformers' layout), and the step adds into the received dK/dV, the sent ones gone.
-        # Beside the group's: the whole dq (a group's dq sums into its share when q is fp32) and
-        # the earlier groups' dK/dV, in the input dtype.
-        g = max(int(k), 1)
-        dout_copy, dkv_pairs = (0, 2) if host else (b, 4)
+        # One ring for all heads by default; with head groups (``patch(head_groups=)``) g rings one
+        # after the other, each holding its group's buffers. A ring holds: dq (fp32) and the kernel's
+        # dq (dout is taken in transformers' layout, no copy); K/V: the receive buffers (b), one where
+        # the ring makes one hop (R = 2), else two (a group's heads are copied out of transformers'
+        # layout for the wire, ``comm.wire``, as are all heads after Ulysses' head-major
+        # all-to-all); dK/dV (fp32): on GPUs this step's, the kernel's, the sent ones in flight and
+        # the received set; on CPUs (``ringseq.attention.ring``) the step adds into the received
+        # dK/dV, the sent ones gone. Beside a group's: the whole dq (a group's dq is written into its
+        # share when q is fp32) and the earlier groups' dK/dV, in the input dtype.
+        g = f.groups(k)
+        dkv_pairs = 2 if host else 4
         kv = 2 * (1 if R == 2 else 2) + (2 if U > 1 else 0) + (2 if g > 1 and U == 1 else 0)
         group_dq = 0 if b == ACC and g > 1 else ACC  # its own accumulator, unless it sums into the whole
         whole = h * D * b * (g > 1) + 2 * k * D * b * (g - 1) / g
-        attn = per_chunk * (h / g * D * (dout_copy + ACC + group_dq) + k / g * D * (kv * b + 2 * dkv_pairs * ACC)
-                            + whole)
+        attn = per_chunk * (h / g * D * (ACC + group_dq) + k / g * D * (kv * b + 2 * dkv_pairs * ACC) + whole)
     else:  # the kernel's dq, dk, dv and dout's copy
         attn = h * D * 2 * b + 2 * k * D * b
     attn += m.H * D * b  # the gradient of the o_proj input

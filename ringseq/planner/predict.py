@@ -120,7 +120,7 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
         slowdown = on_host / hw.cores * hw.busy_slowdown
     crosses = R > 1 and P > per_node
     ring = cost.ring_layer(m, hw, S, R, U, layout=layout, causal=causal, training=f.training, inter=crosses,
-                           slowdown=slowdown, batch=f.micro_batch)
+                           slowdown=slowdown, batch=f.micro_batch, groups=f.groups(max(m.K / U, 1)))
     a2a = cost.ulysses_layer(m, hw, s, U, training=f.training, inter=U > per_node, batch=f.micro_batch)
     dense = cost.dense_layer(m, hw, s, f, slowdown)
     head = cost.head(m, hw, s, f, slowdown)
@@ -261,20 +261,24 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
          zero_stage: int = 3, training: bool = True, layout: str = "zigzag", sp_size: int | None = None,
          ulysses_size: int | None = None, checkpointing: bool = False, tiled_mlp: int | None = None,
          chunked_loss: bool = True, offload: bool = False, optimizer: bool = True, micro_batch: int = 1,
-         intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None) -> Plan:
+         intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None,
+         head_groups: int | str | None = None) -> Plan:
     """Predict per-rank memory and step time of fine-tuning ``model`` (a transformers config, a
     dict of its fields or a path to config.json) on sequences of ``seq_len`` tokens over ``gpus``
     devices (``gpus_per_node`` per node), one sequence group of ``sp_size`` ranks (default: all)
     per sequence; every ring x Ulysses shape is costed and the fastest that fits recommended.
     When none fits, ``recommendation`` names the fastest, says that it does not fit and lists in
     ``fixes`` what would (the memory switches alone or together, more gpus).
-    ``optimizer=False`` costs forward + backward alone (no Adam state, no gradient reduction)."""
+    ``optimizer=False`` costs forward + backward alone (no Adam state, no gradient reduction).
+    ``head_groups`` (``ringseq.patch``'s: None one ring for all heads, "kv" one per kv head, or n)
+    costs the rings each attention call runs: less memory per ring, more launches and latencies."""
     m = model_spec(model)
     sp_size = gpus if sp_size is None else sp_size
     _check(seq_len, gpus, gpus_per_node, sp_size, layout)
     hw = get_hardware(hardware, intra_gbps=intra_gbps, inter_gbps=inter_gbps, tflops=tflops)
     f = Features(training=training, zero_stage=zero_stage, optimizer=optimizer, checkpointing=checkpointing,
-                 tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch)
+                 tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
+                 head_groups=head_groups)
     sizes = ulysses_sizes(m, sp_size)
     if ulysses_size is not None and ulysses_size not in sizes:
         raise RingSeqError(f"ulysses_size {ulysses_size} cannot split this model over sp_size {sp_size} "

@@ -68,7 +68,8 @@ def test_after_init_the_exit_lets_threads_that_need_the_gil_finish():
     def run(mode):
         done = subprocess.run([sys.executable, "-c", _LATE_THREAD, mode], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr
-        return done.stdout
+        # gloo's own connection log (torch 2.9 prints it to stdout) is not the thread's output
+        return "".join(line for line in done.stdout.splitlines(keepends=True) if not line.startswith("[Gloo]"))
 
     assert run("init") == "finished\n"
     assert run("bare") == ""
