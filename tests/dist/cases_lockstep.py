@@ -309,9 +309,15 @@ def stats_on_one_rank():
     (q, k, v), dout = _inputs(sp)
     ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
     if sp.rank == 0:
-        report = ringseq.stats(sp=sp)
+        report = ringseq.stats(sp=sp, reset=True)
         assert len(report["ranks"]) == sp.size and report["ranks"][1]["calls"] >= 1, report
+        # this rank's block kernel calls by backend and the GPU's flash implementation (none here)
+        assert report["kernels"]["block_calls"].get("cpu_flash", 0) >= 2 and report["kernels"]["flash"]["impl"] == \
+            "none", report["kernels"]
     ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # every rank: still in step
+    if sp.rank == 0:  # since the reset: this call's forward and backward rings, one call per step each
+        steps = min(sp.size, 2) if sp.size > 1 else 1
+        assert sum(ringseq.stats(sp=sp)["kernels"]["block_calls"].values()) >= 2 * steps, ringseq.stats(sp=sp)
 
 
 def raises_before_the_ring(timeout: float):

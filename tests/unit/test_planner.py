@@ -57,6 +57,34 @@ def test_memory_features_and_zero_stages_lower_memory_in_order():
     assert ringseq.plan(model=LLAMA_8B, **{**CLUSTER, "gpus": 128}).memory_per_rank_gb < plain
 
 
+def test_head_groups_trade_launches_and_latencies_for_the_ring_backwards_memory():
+    """One ring per kv head: each ring step's launches and link latency paid per group (most where
+    shards are short), the ring backward's buffers held per group (the peak falls where the ring
+    backward is it)."""
+    def ring(S, **kw):
+        p = ringseq.plan(model=LLAMA_8B, seq_len=S, gpus=8, gpus_per_node=8, hardware="h100", zero_stage=3, **kw)
+        return next(e for e in p.modes if e.ulysses == 1)
+
+    for S in (32768, 131072):
+        one, per_kv = ring(S), ring(S, head_groups="kv")
+        assert per_kv.attention_s > one.attention_s and ring(S, head_groups=2).attention_s < per_kv.attention_s
+        assert per_kv.memory_per_rank_gb <= one.memory_per_rank_gb
+    short = ring(32768, head_groups="kv").attention_s / ring(32768).attention_s
+    long = ring(131072, head_groups="kv").attention_s / ring(131072).attention_s
+    assert short > long > 1.0  # the per-step costs weigh where shards are short
+    # docs/memory.md's 47M Llama at P = 4 near its longest N: the ring backward is the peak
+    bench = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4), seq_len=40448, gpus=4, gpus_per_node=4,
+                 hardware="cpu", zero_stage=1, checkpointing=True, tiled_mlp=20)
+
+    def step_gb(**kw):  # what a step adds to the state held between steps (longest.py's step memory)
+        parts = ringseq.plan(**bench, **kw).modes[0].memory_gb
+        return parts["grads"] + parts["activations"] + parts["transient"]
+    assert step_gb(head_groups="kv") < 0.95 * step_gb()
+    with pytest.raises(ringseq.RingSeqError, match="head_groups must be"):
+        ringseq.plan(model=LLAMA_8B, **CLUSTER, head_groups=0)
+
+
 def test_slower_links_expose_more_communication_and_faster_chips_need_longer_blocks():
     ring = dict(model=LLAMA_8B, seq_len=131072, gpus=64, gpus_per_node=8, ulysses_size=1)
     fast, slow = ringseq.plan(**ring), ringseq.plan(**ring, inter_gbps=2)

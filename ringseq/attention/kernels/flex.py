@@ -84,7 +84,10 @@ def mask_mod(spec: BlockSpec, tables: dict | None, window: int | None):
     return visible
 
 
+@functools.lru_cache(maxsize=16)
 def score_mod(softcap: float | None):
+    """The softcap as FlexAttention's score_mod: one function per value, so the compiled kernel
+    made for it serves every layer, ring step and batch (a new closure could cost a recompile)."""
     if softcap is None:
         return None
     return lambda score, b, h, qi, ki: softcap * torch.tanh(score / softcap)
