@@ -191,9 +191,9 @@ def defers(device) -> bool:
 
 def check_later(sp, label: str, flags: list) -> None:
     """Read the failure flags of a finished ring call on a GPU later, without a host
-    synchronisation now: they are copied to pinned host memory behind the call's work and read
-    at this group's next agreement (every ringseq collective starts with one) or at the end of
-    the backward pass, whichever comes first (``settle``)."""
+    synchronisation now: they are copied to pinned host memory behind the call's work and read at
+    this group's next agreement once the device has finished that work (every ringseq collective
+    starts with one), and at the end of the backward pass at the latest (``settle``)."""
     flat = torch.cat([f.reshape(1).float() for f in flags]) if len(flags) > 1 else flags[0].reshape(1).float()
     event = None
     if flat.is_cuda:
@@ -206,17 +206,22 @@ def check_later(sp, label: str, flags: list) -> None:
     state(sp).pending.append((label, host, event))
 
 
-def settle(sp) -> str | None:
-    """Read every deferred failure flag of this rank (``check_later``); the error of the first
-    call whose flag is set (marking this rank failed), or None."""
+def settle(sp, wait: bool = True) -> str | None:
+    """Read the deferred failure flags of this rank (``check_later``): all of them (``wait``: the
+    end of a backward pass), or those whose call the device has finished (an agreement: the host
+    keeps running ahead of the device). Returns the error of the first call whose flag is set
+    (marking this rank failed), or None."""
     st = state(sp)
-    found = None
+    found, left = None, []
     for label, host, event in st.pending:
+        if event is not None and not wait and not event.query():
+            left.append((label, host, event))
+            continue
         if event is not None:
             event.synchronize()
         if found is None and bool(host.any()):
             found = peer_failed(label)
-    st.pending.clear()
+    st.pending = left
     if found is not None:
         mark_failed(sp)
     return found
@@ -260,7 +265,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     if st.broken:
         raise RingSeqError(f"this sequence group cannot go on: {st.broken}. Its transfers are out of step for good; "
                            f"end the job (or build new groups: ringseq.init on every rank)")
-    late = settle(sp) if st.pending else None  # a peer's failure in an earlier call, read only now
+    late = settle(sp, wait=False) if st.pending else None  # a peer's failure in an earlier call, read only now
     number = st.number
     st.number += 1
     st.last = (number, KINDS.index(kind), current_layer())
