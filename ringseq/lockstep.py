@@ -48,9 +48,11 @@ RECORD = 64
 """int64 slots of every agreement record (fixed: mismatched ranks still exchange equal sizes)."""
 HISTORY = 4
 """Digests of this rank's last batches that every batch record carries (how far a rank can fall behind and catch up)."""
-LEDGER = 3
+LEDGER = 4
 PAYLOAD = HISTORY + LEDGER
-"""The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait seconds)."""
+"""The record's last slots, never compared: the history, then this rank's ledger (calls, compute and wait
+seconds) and the time it entered the agreement (so every rank knows what the agreement itself made each wait)."""
+RING_CALLS = ("ring_attention forward", "ring_attention backward")
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
          "exchange backward", "decode", "rewards")
@@ -82,6 +84,8 @@ class _State:
     """Why the group's transfers can no longer be trusted (a wait timed out or a peer's transport failed)."""
     agreed_at: float = 0.0
     """time.time() of the group's last agreement: notes of peers older than it are of another incident."""
+    born: float = dataclasses.field(default_factory=time.time)
+    """time.time() this rank began to use the group (the bound for notes before any agreement)."""
     peers: list | None = None
     """Every rank's ledger as its last record carried it: [calls, compute_s, wait_s] per group rank."""
     baseline: list | None = None
@@ -113,8 +117,9 @@ def forget() -> None:
 @contextlib.contextmanager
 def layer(index: int | None):
     """Name the model layer the ringseq calls inside belong to (errors and records say it)."""
-    if index is not None and (isinstance(index, bool) or not isinstance(index, int)):
-        raise RingSeqError(f"lockstep.layer takes a layer index (an int, or None), got {index!r}")
+    if index is not None and (isinstance(index, bool) or not isinstance(index, int) or not -1 <= index < 2**62):
+        raise RingSeqError(f"lockstep.layer takes a layer index (an int from 0 below 2**62; -1 or None for none), got "
+                           f"{index!r}")
     token = _layer.set(-1 if index is None else int(index))
     try:
         yield
@@ -166,18 +171,23 @@ def _dtype_name(code: int) -> str:
     return {-1: "None", -2: "not a tensor", 99: "another dtype"}.get(code) or str(DTYPES[code]).replace("torch.", "")
 
 
-def mark_failed(sp, reason: str = "") -> None:
+def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
     """This rank's ringseq call failed after its agreement: remember the call (the first one
-    since the rank was last in step) and leave a note for peers that may be waiting."""
+    since the rank was last in step) and leave a note for peers that may be waiting (``cause``:
+    as ``peers.post_failure``'s)."""
     st = state(sp)
     if st.failure is None:
         st.failure = st.last
     if reason:
-        peers.post_failure(sp, reason)
+        peers.post_failure(sp, reason, cause)
 
 
-def peer_failed(label: str) -> str:
-    return (f"{label} failed on another rank of the ring (its block compute raised; see that rank's error): "
+def peer_failed(sp, label: str) -> str:
+    """The error of a ring call a peer's failure reached as a flag, naming that peer and quoting
+    its error from its note where it left one (``peers.who_raised``)."""
+    real = sp.size > 1 and getattr(sp, "timeout", None) is not None  # not a virtual ring's stand-in
+    who = peers.who_raised(sp, state(sp).agreed_at or state(sp).born) if real else None
+    return (f"{label} failed on another rank of the ring ({who or 'its block compute raised; see that rank'}): "
             f"this rank stops too instead of using its blocks")
 
 
@@ -220,7 +230,7 @@ def settle(sp, wait: bool = True) -> str | None:
         if event is not None:
             event.synchronize()
         if found is None and bool(host.any()):
-            found = peer_failed(label)
+            found = peer_failed(sp, label)
     st.pending = left
     if found is not None:
         mark_failed(sp)
@@ -254,7 +264,20 @@ def mark_broken(sp, reason: str) -> None:
 
 def _snapshot(sp) -> list[int]:
     book = ledger(sp)
-    return [book.calls, float_bits(book.compute_s), float_bits(book.wait_s)]
+    return [book.calls, float_bits(book.compute_s), float_bits(book.wait_s), float_bits(time.time())]
+
+
+def _ledgers(table: list, kind: str, in_step: bool) -> list[list[int]]:
+    """Every rank's ledger [calls, compute_s bits, wait_s bits] as of the end of this agreement: the
+    one its record carried (as of its entry) plus this agreement's own wait, the time from its entry
+    to the last rank's (when the all-gather could complete; one job's clocks agree far better than
+    that), and the ring call it agrees on. So ``ringseq.stats`` counts the agreement a late rank
+    made the others wait in, and the call, without a collective of its own."""
+    entered = [from_bits(row[-1]) for row in table]
+    last = max(entered)
+    call = 1 if in_step and kind in RING_CALLS else 0
+    return [[row[-LEDGER] + call, row[-LEDGER + 1], float_bits(from_bits(row[-LEDGER + 2]) + max(0.0, last - t))]
+            for row, t in zip(table, entered)]
 
 
 def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int | None = None) -> int:
@@ -286,9 +309,9 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
         rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{at_layer()}")
         table = rows.tolist()  # compared on the host: no tensor operation when the ranks are in step
-        st.peers = [row[-LEDGER:] for row in table]
         compared = rows[:, :n]
         verdict = "in step" if all(row[:n] == table[0][:n] for row in table) else None
+        st.peers = _ledgers(table, kind, verdict == "in step")
         if verdict is None and kind in RESYNC_KINDS:
             verdict = _resync(st, rows, n, sp.rank)
         if verdict == "wait" and time.monotonic() < deadline:
@@ -302,8 +325,14 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         if verdict == "in step":
             st.failure, st.agreed_at = None, time.time()
             return number
-        mark_failed(sp)
-        raise RingSeqError(_mismatch(compared, names, hint, behind=verdict == "behind"))
+        message = _mismatch(compared, names, hint, behind=verdict == "behind")
+        cause = None
+        if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
+            began, words = peers.raised_since(sp, st.agreed_at or st.born) if sp.size > 1 else ([], None)
+            cause = began[0] if began else peers.AFTERMATH
+            message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
+        mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it
+        raise RingSeqError(message)
 
 
 def _digest(values) -> int:
@@ -452,16 +481,27 @@ def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> Non
 
 def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: float) -> RingSeqError:
     """The ``RingSeqError`` for a wait or transfer on ``sp``'s groups that failed with ``exc``;
-    the group is marked broken."""
+    the group is marked broken. A timeout names the ranks that stalled (``peers.blame``); a closed
+    connection names the rank where the failure began, quoting its error where it left one
+    (``peers.explain``), and leaves a note that blames it, for the survivors that follow."""
     text = str(exc)
     timed_out = "timed out" in text.lower() or "timeout" in text.lower()
-    who = peers.blame(sp, what, state(sp).agreed_at or since) if timed_out else None
+    agreed = state(sp).agreed_at or state(sp).born
     from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
+    root = None
     if timed_out:
+        who = peers.blame(sp, what, agreed)
         cause = f"no answer within the {sp.timeout:g} s timeout (ringseq.init(timeout=...) or RINGSEQ_TIMEOUT): "
         cause += who or f"{from_whom} is stopped, stuck, far slower, or itself waiting for another"
     else:
-        cause = f"{from_whom} failed or exited ({text.splitlines()[0][:200] if text else type(exc).__name__})"
+        detail = text.splitlines()[0][:200] if text else type(exc).__name__
+        if peer is not None:
+            root, words = peers.explain(sp, peer, agreed)
+            cause = words or f"global rank {root} failed or exited ({detail})"
+        else:
+            cause = peers.blame(sp, what, agreed, grace=1.0) or f"{from_whom} failed or exited ({detail})"
     message = f"while waiting for {what}: {cause}"
     mark_broken(sp, message)
+    if not timed_out:  # survivors whose transfers with this rank fail next follow this note to the cause
+        peers.post_failure(sp, message, cause=root)
     return RingSeqError(message)

@@ -1,18 +1,27 @@
-"""Who stalled, who failed: notes in the process group's key-value store, read when a wait ends badly.
+"""Who stalled, who failed: notes in the rendezvous store, read when a wait or transfer ends badly.
 
-A rank whose ringseq call fails leaves a note (``post_failure``). A rank whose wait times out
-leaves a note that it is waiting, then reads the others' notes for a short grace period
+A rank whose ringseq call fails leaves a note (``post_failure``): its error, and when the error
+was a peer's (a transfer whose peer closed, a flagged block) the rank it blames. A rank whose wait
+times out leaves a note that it is waiting, then reads the others' notes for a short grace period
 (``blame``): the ranks of the group that left neither note are the ones that stopped, froze or
-died; a rank that left a failure note raised, and its error is quoted. Waiting ranks are
-healthy (in a ring every rank waits for its predecessor, so naming the predecessor would often
-name a rank that was itself waiting). Nothing is written while all is well.
+died; a rank that left a failure note raised, and its error is quoted. A rank whose transfer
+failed because its peer closed the connection reads that peer's note (``explain``): a peer that
+raised because of another rank is followed to that rank, so every survivor names the rank where
+the failure began, not a healthy neighbour that gave up after its own error. Waiting ranks are
+healthy (in a ring every rank waits for its predecessor). Nothing is written while all is well.
 
-The store is the one every launcher makes for the default process group (torchrun's, or
-``init_process_group``'s). Without it (or when its host is gone) ``blame`` returns None and the
-caller names what it can.
+The notes live in the store every launcher makes for the default process group (torchrun's
+agent's, or ``init_process_group``'s, hosted by global rank 0). Every read and write here is
+bounded: a client of that store's server of its own, whose calls give up after a short timeout
+(``_store``), so a frozen rank 0 that hosts the store delays no survivor beyond the grace; a store
+that is not a TCP store is called on a thread given up at the deadline. Without a store (or when
+its host is gone or frozen) the caller names what it can.
 """
 from __future__ import annotations
 
+import datetime
+import os
+import threading
 import time
 
 import torch.distributed as dist
@@ -20,73 +29,253 @@ import torch.distributed as dist
 GRACE = 5.0
 """Longest time ``blame`` reads notes (survivors of one stall time out within moments of each other)."""
 
+_clients: dict = {}
 
-def _store():
+
+def _default_store():
     try:
         return dist.distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no default group or store: nothing to read
         return None
 
 
+def _store(timeout: float):
+    """The process group's store, every call of which returns within ``timeout`` seconds (or
+    raises), whatever its host is doing; None without one. A TCP store gets a client of its own
+    (so a call left hanging holds no lock of the process group's); its calls, and making it, run on
+    a worker thread given up at the deadline: c10d's client bounds neither its handshake nor its
+    reconnection against a server that is stopped rather than gone (measured: both hang)."""
+    base = _default_store()
+    if base is None:
+        return None
+    inner = base
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    if isinstance(inner, dist.TCPStore):
+        key = (inner.host, inner.port)
+        if key not in _clients:
+            host, port = key
+            _clients[key] = _Bounded(lambda: dist.TCPStore(host, port, is_master=False, wait_for_workers=False,
+                                                           timeout=datetime.timedelta(seconds=60)))
+        bounded = _clients[key]
+    else:
+        bounded = _clients.setdefault(id(base), _Bounded(lambda: base))
+    return bounded.within(timeout)
+
+
+class _Bounded:
+    """A store made and called on daemon threads, each call given up at its deadline; after a call
+    was given up, later ones fail at once (the store does not answer) instead of piling up threads."""
+
+    def __init__(self, make):
+        self.make, self.store, self.stuck, self.timeout = make, None, None, 1.0
+
+    def within(self, timeout: float) -> "_Bounded":
+        self.timeout = max(0.05, timeout)
+        return self
+
+    def _call(self, name, *args):
+        if self.stuck is not None and self.stuck.is_alive():
+            raise TimeoutError("the store has not answered an earlier call")
+        box = {}
+
+        def run():
+            try:
+                if self.store is None:
+                    self.store = self.make()
+                box["value"] = getattr(self.store, name)(*args)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=run, daemon=True, name="ringseq-store")
+        worker.start()
+        worker.join(self.timeout)
+        if worker.is_alive():
+            self.stuck = worker
+            raise TimeoutError(f"the store did not answer {name} within {self.timeout:g} s")
+        if "error" in box:
+            raise box["error"]
+        return box["value"]
+
+    def set(self, key, value):
+        return self._call("set", key, value)
+
+    def get(self, key):
+        return self._call("get", key)
+
+    def check(self, keys):
+        return self._call("check", keys)
+
+
 def _key(sp, what: str, rank: int) -> str:
     return f"ringseq/{'-'.join(map(str, sp.ranks))}/{what}/{rank}"
 
 
-def post_failure(sp, text: str) -> None:
-    """Note that this rank's ringseq call failed (read by peers whose waits then time out)."""
-    store = _store()
-    if store is None or sp.size == 1:
+def _timeout(sp) -> float:
+    return min(GRACE, max(0.5, 0.2 * sp.timeout))
+
+
+AFTERMATH = -1
+"""The ``cause`` of a note whose error followed another rank's failure that no note named (a
+group found out of step after failures): the note is quoted, its rank is not blamed."""
+
+
+def post_failure(sp, text: str, cause: int | None = None) -> None:
+    """Note that this rank's ringseq call failed (read by peers whose waits then end badly);
+    ``cause``: the global rank this rank's error blames (the failure began there), or
+    ``AFTERMATH``."""
+    if sp.size == 1:
+        return
+    store = _store(_timeout(sp))
+    if store is None:
         return
     try:
-        store.set(_key(sp, "failed", dist.get_rank()), f"{time.time():.3f}|{text[:300]}")
+        store.set(_key(sp, "failed", dist.get_rank()), f"{time.time():.3f}|{'' if cause is None else cause}|{text[:300]}")
     except Exception:  # noqa: BLE001 - a note is a courtesy; the caller raises its own error anyway
         pass
 
 
-def _read(store, key: str, since: float):
-    try:
-        if not store.check([key]):
+class _Notes:
+    """The notes of one incident, read within one deadline: a store that stops answering ends
+    the reading (what was read so far stands)."""
+
+    def __init__(self, sp, since: float, deadline: float):
+        self.sp, self.since, self.deadline = sp, since, deadline  # notes older than the last agreement: another incident
+        self.store = _store(max(0.05, deadline - time.time()))
+        self.failed: dict[int, tuple[int | None, str]] = {}
+        self.waiting: set[int] = set()
+        self.lost = self.store is None
+        """The store stopped answering (or never did): its host is stopped, stuck or gone."""
+
+    def _read(self, key: str):
+        if self.store is None or time.time() >= self.deadline:
             return None
-        stamp, _, text = store.get(key).decode().partition("|")
-    except Exception:  # noqa: BLE001
+        try:
+            if not self.store.check([key]):
+                return None
+            stamp, _, rest = self.store.get(key).decode().partition("|")
+        except Exception:  # noqa: BLE001 - a store that does not answer: stop reading
+            self.store, self.lost = None, True
+            return None
+        return rest if float(stamp) >= self.since else None
+
+    def read(self, rank: int) -> None:
+        if rank in self.failed or rank in self.waiting:
+            return
+        note = self._read(_key(self.sp, "failed", rank))
+        if note is not None:
+            cause, _, text = note.partition("|")
+            self.failed[rank] = (int(cause) if cause else None, text)
+        elif self._read(_key(self.sp, "waiting", rank)) is not None:
+            self.waiting.add(rank)
+
+    def root(self, rank: int) -> int:
+        """Follow the ranks that blamed another to where the failure began."""
+        seen = set()
+        while rank in self.failed and self.failed[rank][0] is not None and rank not in seen:
+            seen.add(rank)
+            rank = self.failed[rank][0]
+        return rank
+
+    def roots(self) -> set[int]:
+        """The ranks where the failures noted so far began (an aftermath note names none)."""
+        return {self.root(r) for r in self.failed} - {AFTERMATH}
+
+    def words(self, rank: int) -> str:
+        if rank in self.failed and self.failed[rank][0] is None:
+            return f"global rank {rank} raised ({self.failed[rank][1]})"
         return None
-    return text if float(stamp) >= since else None
 
 
 def blame(sp, what: str, since: float, grace: float | None = None) -> str | None:
     """After a wait timed out: which ranks of the group stalled or failed, in words, from the
     notes left since ``since`` (time.time() of the group's last agreement: a peer may have
     raised long before this rank began to wait); None when the store cannot tell."""
-    store = _store()
-    if store is None:
+    grace = _timeout(sp) if grace is None else grace
+    deadline = time.time() + grace
+    if _default_store() is None:
         return None
+    notes = _Notes(sp, since, deadline)
+    if notes.store is None:  # no connection to the store within the grace
+        return _store_host_silent(sp, grace)
     me = dist.get_rank()
     try:
-        store.set(_key(sp, "waiting", me), f"{time.time():.3f}|{what}")
-    except Exception:  # noqa: BLE001
-        return None
-    grace = min(GRACE, max(0.5, 0.2 * sp.timeout)) if grace is None else grace
-    deadline, failed, waiting = time.time() + grace, {}, set()
-    since = since - 1.0  # clocks of one job's processes agree far better than a second
+        notes.store.set(_key(sp, "waiting", me), f"{time.time():.3f}|{what}")
+    except Exception:  # noqa: BLE001 - the store does not answer: its host is the one stopped
+        return _store_host_silent(sp, grace)
     others = [r for r in sp.ranks if r != me]
-    while time.time() < deadline and len(failed) + len(waiting) < len(others):
+    while time.time() < deadline and notes.store is not None and len(notes.failed) + len(notes.waiting) < len(others):
         for r in others:
-            if r in failed or r in waiting:
-                continue
-            note = _read(store, _key(sp, "failed", r), since)
-            if note is not None:
-                failed[r] = note
-            elif _read(store, _key(sp, "waiting", r), since) is not None:
-                waiting.add(r)
+            notes.read(r)
         time.sleep(0.05)
-    silent = [r for r in others if r not in failed and r not in waiting]
-    parts = [f"global rank {r} raised ({note})" for r, note in failed.items()]
+    roots = notes.roots()
+    raised = [r for r in sorted(roots) if notes.words(r)]
+    if notes.lost:  # a connection that takes writes but whose reads go unanswered: a frozen store host
+        return "; ".join([notes.words(r) for r in raised] + [_store_host_silent(sp, grace)])
+    silent = sorted({r for r in others if r not in notes.failed and r not in notes.waiting} | (roots - set(raised)))
+    parts = [notes.words(r) for r in raised]
     if silent:
         parts.append(f"global rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} never reached a "
                      f"ringseq wait: stopped, stuck in other work, far slower, or dead")
     if not parts:
         return None
-    if waiting:
-        parts.append(f"global rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, sorted(waiting)))} "
-                     f"waited as this one did")
+    waited = sorted(notes.waiting | (set(notes.failed) - roots))
+    if waited:
+        parts.append(f"global rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} "
+                     f"waited or failed as this one did")
     return "; ".join(parts)
+
+
+def _store_host_silent(sp, grace: float) -> str:
+    """Words for a store that did not answer: without torchrun's agent, the process group's store
+    is served by global rank 0's process, so rank 0 is the one stopped, stuck or dead."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return (f"the rendezvous store (torchrun's agent) did not answer within {grace:g} s, so no rank's notes "
+                f"could be read: a node or its agent is stopped or gone")
+    where = "" if 0 in sp.ranks else " (a rank of another sequence group)"
+    return (f"global rank 0{where} never reached a ringseq wait: stopped, stuck in other work, far slower, or dead "
+            f"(it serves the rendezvous store, which did not answer within {grace:g} s)")
+
+
+def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
+    """After a transfer with ``peer`` failed (its connection closed): the rank where the failure
+    began and, when it left a note of its own error, that error in words. A peer that raised
+    because of another rank is followed there; one that left no note failed or exited."""
+    notes = _Notes(sp, since, time.time() + min(0.3, _timeout(sp)))
+    if notes.store is None:
+        return peer, None
+    rank = peer
+    while True:  # the peer's note may be a moment behind the closed connection
+        notes.read(rank)
+        if rank in notes.failed or time.time() >= notes.deadline or notes.store is None:
+            if rank in notes.failed and notes.root(rank) not in (rank, AFTERMATH):
+                rank = notes.root(rank)
+                continue
+            break
+        time.sleep(0.05)
+    if rank in notes.failed and notes.failed[rank][0] == AFTERMATH:
+        return rank, f"global rank {rank} stopped after a failure elsewhere ({notes.failed[rank][1]})"
+    return rank, notes.words(rank)
+
+
+def who_raised(sp, since: float) -> str | None:
+    """After a peer's failure reached this rank as a flag (a marked block): the ranks of the group
+    whose own error began it, with their errors, from their notes; None when none is found."""
+    return raised_since(sp, since)[1]
+
+
+def raised_since(sp, since: float) -> tuple[list[int], str | None]:
+    """The global ranks of the group whose own error began the failures noted since ``since``, and
+    their errors in words, read for a moment (a note may trail the flag or the record that told
+    of it); ``([], None)`` when none is found."""
+    notes = _Notes(sp, since, time.time() + min(1.0, _timeout(sp)))
+    me = dist.get_rank()
+    others = [r for r in sp.ranks if r != me]
+    while notes.store is not None and time.time() < notes.deadline:
+        for r in others:
+            notes.read(r)
+        raised = [r for r in sorted(notes.roots()) if notes.words(r)]
+        if raised:
+            return raised, "; ".join(notes.words(r) for r in raised)
+        time.sleep(0.05)
+    return [], None

@@ -13,7 +13,7 @@ from ringseq.layouts import check_length
 from ringseq.sharding import gather
 
 from . import keep
-from .checks import call_record, check_features, check_shapes, check_sp, check_tensors, check_token_info, dtype_code
+from .checks import call_record, check_local, check_shapes, check_sp, check_token_info, dtype_code
 from .masks import TokenInfo, documents
 from .ring import CallNumbers, RingAttention, RingOptions
 from .ulysses import HeadsToSeq, SeqToHeads, kv_replicas
@@ -103,6 +103,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                                   softcap=softcap, sinks=sinks, attention_mask=attention_mask, token_info=token_info,
                                   kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
     check_sp(sp)
+    # this rank's own misuse first: refused before the agreement, the group untouched
+    check_local(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks, slab_rows=slab_rows,
+                head_groups=head_groups)
     fields = call_record(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
                          position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
                          kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
@@ -114,7 +117,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                     kernel, slab_rows, label, number, head_groups)
     try:
         out = _run(q, k, v, sinks, sp, opts)
-    except BaseException as exc:
+    except RingSeqError:  # a peer's failure reached this rank (its origin left the note), or one alike on every rank
+        lockstep.mark_failed(sp)
+        raise
+    except BaseException as exc:  # this rank's own: a note for the peers, quoted by their errors
         lockstep.mark_failed(sp, f"{label}: {type(exc).__name__}: {exc}")
         raise
     return AgreeInBackward.apply(out, sp, fields, layer, opts.numbers) if out.requires_grad else out
@@ -140,10 +146,8 @@ class AgreeInBackward(torch.autograd.Function):
 
 def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info, kernel,
              slab_rows, label, number, head_groups=None) -> RingOptions:
-    check_tensors(q, k, v, sinks)
     check_shapes(q, k, v, sp)
     groups = _head_groups(q.size(1), k.size(1), sp.ulysses_size, head_groups)
-    check_features(q, causal, scale, window, softcap, sinks)
     if token_info is None:
         token_info = _token_info_or_none(sp, position_ids, attention_mask)
     elif position_ids is not None or attention_mask is not None:

@@ -27,27 +27,31 @@ def check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sp) -> None:
                            f"on batch, local length and head dim")
     if K == 0 or H % K:
         raise RingSeqError(f"query heads H={H} must be a multiple of kv heads K={K} (GQA/MQA)")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype} (under torch.autocast "
-                           f"ring_attention casts them to the autocast dtype itself)")
     if (s * sp.size) % multiple(sp.layout, sp.ring_size, sp.ulysses_size):
         raise RingSeqError(f"local length {s} cannot come from layout {sp.layout!r} over "
                            f"{sp.size} ranks: shard the sequence with ringseq.shard")
 
 
+def _number(x) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float))
+
+
+LARGEST = 2**62
+"""The largest integer argument a record holds (an int64 slot, with room)."""
+
+
 def check_features(q, causal, scale, window, softcap, sinks) -> None:
-    number = not isinstance(scale, bool) and isinstance(scale, (int, float))
-    if scale is not None and not (number and 0 < scale < math.inf):
+    if scale is not None and not (_number(scale) and 0 < scale < math.inf):
         raise RingSeqError(f"scale must be a positive finite number (the factor on q.k; None: 1/sqrt(head dim)), "
                            f"got {scale!r}")
     if window is not None:
         if not causal:
             raise RingSeqError("window (sliding-window attention) is defined for causal attention "
                                "only (query i sees key j when 0 <= i - j < window); pass causal=True")
-        if int(window) != window or window < 1:
-            raise RingSeqError(f"window must be a positive integer, got {window!r}")
-    if softcap is not None and not softcap > 0:
-        raise RingSeqError(f"softcap must be a positive number, got {softcap!r}")
+        if not _number(window) or int(window) != window or not 1 <= window <= LARGEST:
+            raise RingSeqError(f"window must be a positive integer (a number of tokens; None for none), got {window!r}")
+    if softcap is not None and not (_number(softcap) and 0 < softcap < math.inf):
+        raise RingSeqError(f"softcap must be a positive finite number, got {softcap!r}")
     if sinks is not None and tuple(sinks.shape) != (q.size(1),):
         raise RingSeqError(f"sinks must hold one logit per query head, shape [{q.size(1)}]; "
                            f"got {tuple(sinks.shape)}")
@@ -71,6 +75,29 @@ def check_tensors(q, k, v, sinks) -> None:
         if not t.is_floating_point():
             raise RingSeqError(f"{name} must be a floating-point tensor (attention of integer or bool values is not "
                                f"defined), got {t.dtype}")
+    devices = [str(t.device) for t in (q, k, v, sinks) if t is not None]
+    if len(set(devices)) > 1:
+        raise RingSeqError(f"q, k, v{' and sinks' if sinks is not None else ''} must be on one device; got "
+                           f"{', '.join(devices)} (move them with .to(q.device))")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise RingSeqError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype} (under torch.autocast "
+                           f"ring_attention casts them to the autocast dtype itself)")
+
+
+def check_local(q, k, v, *, causal, scale, window, softcap, sinks, slab_rows, head_groups) -> None:
+    """What this rank can refuse alone, before the call's agreement: its tensors (types, device,
+    dtypes), the numbers (scale, window, softcap, sinks, slab rows) and the form of head_groups. A
+    refusal here spends no lockstep number and sends nothing, so the group stays usable (a rank
+    that retries the call right meets its peers in the same agreement)."""
+    check_tensors(q, k, v, sinks)
+    check_features(q, causal, scale, window, softcap, sinks)
+    if slab_rows is not None and (not _number(slab_rows) or int(slab_rows) != slab_rows
+                                  or not 1 <= slab_rows <= LARGEST):
+        raise RingSeqError(f"slab_rows must be a positive integer (query rows per kernel slab), got {slab_rows!r}")
+    if head_groups is not None and head_groups != "kv" and (
+            isinstance(head_groups, bool) or not isinstance(head_groups, int) or not 1 <= head_groups <= LARGEST):
+        raise RingSeqError(f"head_groups must be a positive integer dividing the kv heads the ring holds, or \"kv\" "
+                           f"(one ring per kv head); got {head_groups!r}. None or 1 runs one ring for all heads")
 
 
 def tensor_fields(name: str, t) -> dict[str, int]:

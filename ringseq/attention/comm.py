@@ -118,7 +118,7 @@ class RingComm:
         except RuntimeError as exc:
             what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
             raise lockstep.transport_error(self.sp, what, to, exc, since) from exc
-        return Transfer(self, works, flat, parts, step, frm)
+        return Transfer(self, works, flat, parts, step, [to] * len(parts) + [frm] * len(pieces))
 
     def buffer(self, kind: str, numel: int, dtype) -> torch.Tensor:
         """The next of this kind's two receive buffers (allocated by the first transfers of a kind;
@@ -143,17 +143,19 @@ def _tag(number: int, kind: str, step: int, P: int) -> int:
 
 
 class Transfer:
-    def __init__(self, comm: RingComm, works, received: torch.Tensor, sent, step: int, peer: int):
+    def __init__(self, comm: RingComm, works, received: torch.Tensor, sent, step: int, peers: list[int]):
         self._comm, self._works, self._received, self._sent = comm, works, received, sent
-        self._step, self._peer = step, peer  # the sent tensors stay alive until the transfer is done
+        self._step, self._peers = step, peers  # the sent tensors stay alive until the transfer is done
+        """The global rank each work sends to or receives from (a failed work names its own peer)."""
 
     def wait(self) -> torch.Tensor:
         """The received flat buffer, once every send and receive of the hop is done."""
         comm = self._comm
         start = time.perf_counter()
-        what = f"ring step {self._step + 1} of {comm.label}: the block from global rank {self._peer}"
-        for work in self._works:
-            lockstep.wait(work, comm.sp, what, peer=self._peer)
+        what = f"ring step {self._step + 1} of {comm.label}: the block from global rank {self._peers[-1]}"
+        peers = self._peers if len(self._peers) == len(self._works) else [self._peers[-1]] * len(self._works)
+        for work, peer in zip(self._works, peers):
+            lockstep.wait(work, comm.sp, what, peer=peer)
         comm.clock.time("wait_s", start)
         self._sent = None
         return self._received

@@ -167,7 +167,7 @@ class _Schedule:
                 lockstep.check_later(self.opts.sp, self.opts.label, flags)
             elif any(f.tolist()[0] for f in flags):  # CPU tensors: read on the host
                 lockstep.mark_failed(self.opts.sp)
-                error = RingSeqError(lockstep.peer_failed(self.opts.label))
+                error = RingSeqError(lockstep.peer_failed(self.opts.sp, self.opts.label))
         if error is None:
             return
         if errors is None:

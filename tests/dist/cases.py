@@ -61,9 +61,13 @@ def head_group_refusals():
     sp = shared_init(sp_size=world)
     q, k, v, _ = make_qkv(1, 8, 2, 8 * world, 16)
     local = [ringseq.shard(t.float(), 2, sp=sp) for t in (q, k, v)]
-    for bad in (3, 4, 0, True, 1.0):
+    for bad in (3, 4):  # refused after the agreement (the ring's kv heads), alike on every rank
         with pytest.raises(ringseq.RingSeqError, match="head_groups must be a positive integer dividing the 2 kv"):
             ringseq.ring_attention(*local, sp=sp, head_groups=bad)
+    for bad in (0, True, 1.0, "all"):  # refused by this rank's own check, before the agreement
+        with pytest.raises(ringseq.RingSeqError, match="head_groups must be a positive integer dividing the kv heads"):
+            ringseq.ring_attention(*local, sp=sp, head_groups=bad)
+    ringseq.ring_attention(*local, sp=sp, head_groups=2)  # the group goes on
 
 
 def head_dims(layout):

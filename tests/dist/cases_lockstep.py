@@ -161,6 +161,8 @@ def failure_fails_the_group(where: str, deferred: bool = False):
     else:
         assert isinstance(first, ringseq.RingSeqError), first
         assert "failed on another rank" in str(first) or "had a ringseq call fail" in str(first), first
+        if "failed on another rank" in str(first):  # named, its error quoted from its note
+            assert f"global rank {sp.ranks[world - 1]} raised" in str(first) and "injected" in str(first), first
     outcomes = []
     for _ in range(3):  # every rank swallows its error and goes on with the loop's next step
         try:
@@ -217,6 +219,18 @@ def stopped_peer(sp_size: int, phases: list, timeout: float, victim: int = 1):
     return sp.rank, time.perf_counter() - start, "", out is not None
 
 
+def refused_then_gone():
+    """A rank refused a batch its peer does not hold and exits; the peer, whose next call finds it
+    gone, quotes that refusal (the note the rank left), not just "failed or exited"."""
+    sp = ringseq.init(sp_size=dist.get_world_size(), timeout=30)
+    ids = torch.arange(8)[None] + (sp.rank == 1)
+    _raises(lambda: ringseq.shard_batch({"input_ids": ids}, sp=sp), "same full batch")
+    if sp.rank == 1:
+        os._exit(0)
+    (q, k, v), _ = _inputs(sp)
+    return _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), "global rank 1 raised", "out of step")
+
+
 def dead_peer(victim: int = 1):
     """A peer process that dies inside the ring: the others raise a RingSeqError at once."""
     sp = shared_init(sp_size=dist.get_world_size(), timeout=60)
@@ -234,7 +248,8 @@ def dead_peer(victim: int = 1):
 
 def straggler_is_named(delay: float = 0.25, calls: int = 4):
     """One rank made slow by a sleep before each call is the slowest rank, and the others'
-    wait for it is the injected delay within 20%."""
+    wait for it is the injected delay within 20%, every call's (the last one's too, with no
+    collective after it: each agreement tells every rank what it made each rank wait)."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     (q, k, v), _ = _inputs(sp)
@@ -244,8 +259,7 @@ def straggler_is_named(delay: float = 0.25, calls: int = 4):
             if sp.rank == world - 1:
                 time.sleep(delay)
             ringseq.ring_attention(q, k, v, sp=sp)
-    ringseq.resync(sp, 0)  # one more collective: every rank's records now carry its ledger after the calls
-    report = ringseq.stats(sp=sp, reset=True)
+    report = ringseq.stats(sp=sp, reset=True)  # no collective since the last call: its wait is counted too
     assert [r["calls"] for r in report["ranks"]] == [calls] * world, report
     if world > 1:
         assert report["slowest_rank"] == world - 1, report
@@ -375,6 +389,28 @@ def misuse_is_refused():
     for timeout in (float("inf"), 1e-4, float("nan")):
         _raises(lambda: ringseq.init(sp_size=world, timeout=timeout), "finite number of seconds", "at least 0.001")
     _raises(lambda: ringseq.resync(sp, 1.5), "step number")
+    for window in (True, 0, 2.5, 2**70):
+        _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, window=window), "window must be a positive integer")
+    for softcap in (True, float("inf"), -1.0):
+        _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, softcap=softcap), "softcap must be a positive")
+    _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, slab_rows=0), "slab_rows must be a positive integer")
+    _raises(lambda: lockstep.layer(2**70).__enter__(), "layer index")
+    ringseq.ring_attention(q, k, v, sp=sp)  # no refusal spent a lockstep number: the group is in step
+
+
+def own_misuse_leaves_the_group_usable():
+    """A rank whose own arguments are wrong (k on another device, k of another dtype) is refused
+    before the call's agreement, sending nothing: its peers wait in the agreement, the rank calls
+    again rightly, and the call is exact; the group never broke."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    (q, k, v), dout = _inputs(sp)
+    ref = ringseq.ring_attention(q, k, v, sp=sp).detach()
+    if sp.rank == world - 1:
+        _raises(lambda: ringseq.ring_attention(q, k.to("meta"), v, sp=sp), "must be on one device", "meta")
+        _raises(lambda: ringseq.ring_attention(q, k.double(), v, sp=sp), "must share a dtype")
+    out = ringseq.ring_attention(q, k, v, sp=sp)
+    assert torch.equal(out, ref) and lockstep.state(sp).broken is None and lockstep.state(sp).failure is None
 
 
 def batch_beside_resync():

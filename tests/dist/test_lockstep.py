@@ -57,13 +57,13 @@ def _check_stopped(results, victim, sp_size, phase, first):
         assert "timeout" in message, message
 
 
-def _stopped_run(sp_size, phases):
-    """A world of 4 in rings of ``sp_size``; group rank 1 of each ring stops in its phase. A
-    stopped peer breaks its group's connections: every run gets a pool of its own."""
+def _stopped_run(sp_size, phases, victim=1):
+    """A world of 4 in rings of ``sp_size``; group rank ``victim`` of each ring stops in its phase.
+    A stopped peer breaks its group's connections: every run gets a pool of its own."""
     pool = DistPool(4)
     try:  # wait for every rank but the stopped ones
-        return pool.run_expecting([r for r in range(4) if r % sp_size != 1], cases.stopped_peer, sp_size, phases,
-                                  TIMEOUT)
+        return pool.run_expecting([r for r in range(4) if r % sp_size != victim], cases.stopped_peer, sp_size,
+                                  phases, TIMEOUT, victim)
     finally:
         pool.close(force=True)
 
@@ -75,6 +75,21 @@ def test_a_stopped_peer_ends_every_wait_within_the_timeout():
     # one ring of 4, stopped in backward (after a whole forward: every wait kind of the call so far);
     # the forward stop is covered by the rings of 2 above
     _check_stopped([r for r in _stopped_run(4, ["backward"]) if r], 1, 4, "backward", 0)
+
+
+def test_a_stopped_rank_0_serving_the_store_is_named_within_the_timeout():
+    """Global rank 0 serves the process group's store here (plain processes with MASTER_ADDR/PORT,
+    as under the deepspeed launcher): stopped, it cannot answer the survivors' reads of the notes,
+    which are bounded and name it; no survivor waits for the store's own 30-minute timeout."""
+    _check_stopped([r for r in _stopped_run(4, ["forward"], victim=0) if r], 0, 4, "forward", 0)
+
+
+def test_a_refusal_a_peer_left_is_quoted():
+    pool = DistPool(2, timeout=60)
+    try:
+        pool.run_expecting([0], cases.refused_then_gone)
+    finally:
+        pool.close(force=True)
 
 
 def test_a_dead_peer_is_a_ringseq_error_at_once():
@@ -115,6 +130,11 @@ def test_a_rank_that_raises_before_the_ring_is_named_by_its_peers():
         pool.close(force=True)
     assert "injected before the ring" in results[1], results
     assert "global rank 1 raised (ring_attention #" in results[0] and "injected before the ring" in results[0], results
+
+
+def test_own_misuse_leaves_the_group_usable(pool2, pool4):
+    pool2.run(cases.own_misuse_leaves_the_group_usable)
+    pool4.run(cases.own_misuse_leaves_the_group_usable)
 
 
 def test_misuse_is_refused_with_the_fix(pool):
