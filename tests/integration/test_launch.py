@@ -2,6 +2,7 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,3 +161,43 @@ def test_the_grpo_example_trains_and_draws_its_rewards(tmp_path):
     rewards = json.loads(out.read_text())
     assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards) and plot.exists(), run.stdout[-2000:]
     assert "sequences of 98 tokens over 2 ranks" in run.stdout, run.stdout[-2000:]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])
+def test_a_frozen_rank_0_is_named_under_every_launcher(tmp_path, launcher):
+    """Global rank 0 SIGSTOPs itself inside a ring forward. Under deepspeed its process serves the
+    rendezvous store; under torchrun and accelerate the agent does. Either way rank 1 raises
+    ``RingSeqError`` naming global rank 0 within the timeout plus the notes' grace, and never waits
+    for the store's own (30-minute) timeout (tests/integration/frozen_rank.py)."""
+    import signal
+    import time
+
+    log = open(tmp_path / "launcher.log", "w")
+    proc = subprocess.Popen([sys.executable, "-m", "ringseq.launch.cli", "launch", "--launcher", launcher, "--sp", "2",
+                             "--nproc", "2", "tests/integration/frozen_rank.py", str(tmp_path), "0"], cwd=ROOT,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                            env={**os.environ, **ONE_THREAD})
+    report, deadline = tmp_path / "rank1.json", time.time() + 300
+    try:
+        while not report.exists() and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        time.sleep(0.2)  # the report's write
+    finally:  # end the stopped rank, then the launcher (a SIGKILL ends a stopped process too)
+        for pid in tmp_path.glob("pid*"):
+            try:
+                os.kill(int(pid.read_text()), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+        log.close()
+    assert report.exists(), (tmp_path / "launcher.log").read_text()[-4000:]
+    got = json.loads(report.read_text())
+    assert got["outcome"] == "RingSeqError", got
+    assert (got["agent_store"] or "").lower() == ("" if launcher == "deepspeed" else "true"), got
+    assert "global rank 0 never reached a ringseq wait" in got["message"], got
+    assert re.findall(r"global ranks? ([\d, ]+) (?:never reached|failed|raised)", got["message"]) == ["0"], got
+    assert 2.0 <= got["seconds"] <= 2.0 + 0.5 + 1.5, got  # the timeout, the notes' grace, a loaded machine
