@@ -1,0 +1,342 @@
+"""Fault soak: random ring cases, one injected fault each, every rank's outcome checked.
+
+    python tests/fault_soak.py                        # 300 cases or 30 minutes, whichever comes first
+    python tests/fault_soak.py --cases 12 --seed 1    # a handful (tests/integration/test_fault_soak.py)
+
+Cases run in trees of fresh processes (world 2 or 4, gloo, a 2 s timeout): a tree runs a few
+recoverable cases and may end with one that breaks the group. Each case draws a layout, a mask
+(none, packed documents, left padding, a window), a dtype (fp32, bf16), what runs (raw
+``ring_attention`` forward + backward, or a patched tiny Llama's training step) and one fault on
+one rank (rank 0, which serves the rendezvous store, included):
+
+``none``             every rank's result is exact (the 2x rule against float64).
+``sleep under``      the rank sleeps a quarter of the timeout before the call: exact.
+``raise forward``    the rank's block kernel raises in the forward (``raise backward``: backward);
+``other inputs``     the rank's call differs (its window, or its batch);
+                     every other rank raises ``RingSeqError`` naming it (in that call or at the next
+                     collective), within the timeout plus the grace; the next call is exact again.
+``sleep past``       the rank sleeps past the timeout before the call;
+``exit``, ``kill``, ``stop``  the rank exits, is SIGKILLed or SIGSTOPped inside the ring:
+                     every other rank raises ``RingSeqError`` naming it within the timeout plus the
+                     grace; the tree ends there.
+
+Nothing may be silently wrong, hang, or raise anything but ``RingSeqError`` on a healthy rank.
+Prints a progress bar, then one JSON line: cases by fault and outcome, the slowest time to an
+error against its bound, and every failure.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import signal
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TIMEOUT = 2.0
+GRACE = 0.5  # ringseq.peers' grace at this timeout: min(5, max(0.5, 0.2 * TIMEOUT))
+SLACK = 1.5  # process start-up of a woken rank and scheduling on a loaded 2-core machine
+RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "other inputs")
+BREAKING = ("sleep past", "exit", "kill", "stop")
+
+
+def draw_tree(rng: random.Random, index: int) -> dict:
+    """One tree: its world and cases (the same on every rank: drawn in the parent)."""
+    from ringseq import LAYOUTS
+
+    world = rng.choice([2, 4])
+    cases = []
+    for i in range(rng.randint(2, 4)):
+        cases.append(_case(rng, world, rng.choice(RECOVERABLE), i))
+    if rng.random() < 0.6:
+        cases.append(_case(rng, world, rng.choice(BREAKING), len(cases)))
+    return dict(index=index, world=world, cases=cases, layouts=LAYOUTS)
+
+
+def _case(rng, world: int, fault: str, step: int) -> dict:
+    from ringseq import LAYOUTS
+
+    return dict(step=step, fault=fault, victim=rng.randrange(world), kind=rng.choice(["raw", "raw", "model"]),
+                layout=rng.choice(LAYOUTS), mask=rng.choice(["none", "documents", "padding", "window"]),
+                dtype=rng.choice(["fp32", "bf16"]), seed=rng.randrange(10**6), s=2 * rng.randint(4, 12))
+
+
+# ---------------------------------------------------------------------------------- on every rank
+
+def _inject(case: dict, sp):
+    """Arm the case's fault on its victim; returns a function that disarms it."""
+    from ringseq.attention import ring
+
+    fault = case["fault"]
+    if sp.rank != case["victim"] or fault in ("none", "other inputs"):
+        return lambda: None
+    if fault.startswith("sleep"):
+        time.sleep(TIMEOUT / 4 if fault == "sleep under" else TIMEOUT + 1.0)
+        return lambda: None
+    original, seen = ring._Schedule.compute, []
+
+    def compute(self, t, work):
+        backward = self.opts.label.startswith("the backward")
+        if fault == "raise backward" and not backward:
+            return original(self, t, work)
+        seen.append(t)
+        if len(seen) == 1:
+            if fault.startswith("raise"):
+                def failing(w):
+                    raise RuntimeError("injected: the block kernel ran out of memory")
+                return original(self, t, failing)
+            if fault == "exit":
+                os._exit(3)
+            os.kill(os.getpid(), signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        return original(self, t, work)
+
+    ring._Schedule.compute = compute
+    return lambda: setattr(ring._Schedule, "compute", original)
+
+
+def _raw(case: dict, sp, faulty: bool, clock: list):
+    """A raw ring_attention forward + backward; checked against float64 when ``faulty`` is False.
+    ``clock[0]``: set to the time of the first ringseq call (what a fault's time to an error counts from)."""
+    import torch
+
+    import ringseq
+    from ringseq.reference import attention as reference
+    from ringseq.testing import assert_shards_close
+    from tests.dist.cases import make_qkv
+    from tests.dist.cases_features import packed_positions, padding_mask
+
+    dtype = torch.float32 if case["dtype"] == "fp32" else torch.bfloat16
+    S, seed = case["s"] * sp.size, case["seed"]
+    q, k, v, dout = make_qkv(2, 4, 2, S, 16, seed)
+    pos = packed_positions(2, S, seed) if case["mask"] == "documents" else None
+    pad = padding_mask(2, S, seed) if case["mask"] == "padding" else None
+    window = max(2, S // 3) if case["mask"] == "window" else None
+    local = [ringseq.shard(t.to(dtype), 2, sp=sp).requires_grad_(True) for t in (q, k, v)]
+    mine = window + 1 if window is not None and faulty and case["fault"] == "other inputs" else window
+    if faulty and case["fault"] == "other inputs" and window is None:
+        mine = S  # a window that sees everything: the same result, another call
+    clock[0] = time.perf_counter()
+    out = ringseq.ring_attention(*local, sp=sp, window=mine if sp.rank == case["victim"] else window,
+                                 position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
+                                 attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp))
+    out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
+    if faulty:
+        return
+    kw = dict(causal=True, window=window, position_ids=pos, attention_mask=pad)
+    ref = reference(q, k, v, dout, **kw)[:4]
+    plain = reference(*(t.to(dtype) for t in (q, k, v, dout)), sdpa=True, **kw)[:4]
+    for name, got, p, r in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in local)), plain, ref):
+        assert_shards_close(got, p, r, f"{name} of case {case}", sp=sp)
+
+
+def _model(case: dict, sp, faulty: bool, clock: list):
+    """A patched tiny Llama's training step; checked against the unpatched model when ``faulty`` is False."""
+    import copy
+
+    import ringseq
+    from tests.integration.hf_models import check_against, make_batch, references
+
+    kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
+    other = faulty and case["fault"] == "other inputs" and sp.rank == case["victim"]
+    batch = make_batch(2, case["s"] * sp.size, kind, seed=case["seed"] + (1 if other else 0))
+    base, refs = _MODELS.get(case["seed"]) or references("llama", batch)
+    _MODELS[case["seed"]] = (base, refs)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    clock[0] = time.perf_counter()
+    loss = model(**batch).loss
+    loss.backward()
+    if not faulty:
+        check_against(refs, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sp,
+                      f"model case {case}")
+
+
+_MODELS: dict = {}
+
+
+def run_case(case: dict, sp) -> dict:
+    """This rank's outcome of one case: the faulty call, then (for a recoverable fault) the same
+    call again without the fault."""
+    import ringseq
+
+    fault = case["fault"]
+    run = _model if case["kind"] == "model" else _raw
+    ringseq.resync(sp, 2 * case["step"])
+    disarm = _inject(case, sp)
+    clock, outcome = [time.perf_counter()], {}
+    try:
+        run(case, sp, fault not in ("none", "sleep under"), clock)
+        outcome = dict(outcome="finished")
+    except ringseq.RingSeqError as exc:
+        outcome = dict(outcome="RingSeqError", message=str(exc)[:1500])
+    except AssertionError as exc:
+        outcome = dict(outcome="wrong", message=str(exc)[:1500])
+    except Exception as exc:  # noqa: BLE001 - recorded: a raw error on a healthy rank is a failure
+        outcome = dict(outcome=type(exc).__name__, message=str(exc)[:1500])
+    finally:
+        disarm()
+    outcome["seconds"] = round(time.perf_counter() - clock[0], 3)
+    if fault in RECOVERABLE and fault not in ("none", "sleep under"):
+        for attempt in range(3):  # a rank a call behind skips at the resync point, as a loop would
+            try:
+                ringseq.resync(sp, 2 * case["step"] + 1)
+                run(case, sp, False, [0.0])
+                outcome["again"] = "exact"
+                break
+            except ringseq.RingSeqError as exc:
+                outcome["again"] = f"RingSeqError: {str(exc)[:300]}"
+            except AssertionError as exc:
+                outcome["again"] = f"wrong: {str(exc)[:300]}"
+                break
+    return outcome
+
+
+def _rank(rank: int, world: int, port: int, tree: dict, results) -> None:
+    """One rank of a tree; ``results`` is its end of a pipe (a send is written before it returns,
+    so an outcome survives the rank's own death in a later case)."""
+    import traceback
+
+    from ringseq.processes import join_gloo
+
+    try:
+        join_gloo(rank, world, port, threads=1)
+        import ringseq
+
+        sp = ringseq.init(sp_size=world, timeout=TIMEOUT)
+        for case in tree["cases"]:
+            results.send((rank, case["step"], run_case(case, sp)))
+    except BaseException:  # noqa: BLE001 - the harness reports it
+        results.send((rank, -1, dict(outcome="harness", message=traceback.format_exc()[-600:])))
+    os._exit(0)
+
+
+# ---------------------------------------------------------------------------------- the parent
+
+def run_tree(tree: dict) -> dict:
+    """Spawn the tree, collect each rank's outcomes (a dead or stopped rank gives none), end it."""
+    from multiprocessing.connection import wait
+
+    import torch.multiprocessing as mp
+
+    from ringseq.processes import free_port
+
+    ctx = mp.get_context("spawn")
+    world, port = tree["world"], free_port()
+    pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
+    procs = [ctx.Process(target=_rank, args=(r, world, port, tree, pipes[r][1]), daemon=True) for r in range(world)]
+    budget = 60 + sum(TIMEOUT + 8 for _ in tree["cases"])
+    got, deadline = {}, time.time() + budget
+    for p in procs:
+        p.start()
+    for _, writer in pipes:  # the children hold the writing ends: a dead rank's pipe reads as ended
+        writer.close()
+    expected = {(r, c["step"]) for r in range(world) for c in tree["cases"]}
+    last = tree["cases"][-1]
+    if last["fault"] in BREAKING:  # the victim of a breaking fault gives no outcome for it
+        expected.discard((last["victim"], last["step"]))
+    readers = [reader for reader, _ in pipes]
+    try:
+        while readers and not expected <= set(got) and time.time() < deadline:
+            for reader in wait(readers, timeout=1.0):
+                try:
+                    rank, step, outcome = reader.recv()
+                except EOFError:  # the rank is gone
+                    readers.remove(reader)
+                    continue
+                got[(rank, step)] = outcome
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+    missing = sorted(expected - set(got))
+    return dict(got=got, missing=missing)
+
+
+def judge(tree: dict, ran: dict) -> list[dict]:
+    """Each case of the tree: its verdict (ok or the failure) and its slowest time to an error."""
+    verdicts = []
+    world = tree["world"]
+    for case in tree["cases"]:
+        fault, victim, step = case["fault"], case["victim"], case["step"]
+        problems, slowest = [], 0.0
+        for r in range(world):
+            outcome = ran["got"].get((r, step))
+            if outcome is None:
+                if not (fault in BREAKING and r == victim):
+                    problems.append(f"rank {r} gave no outcome (a hang or a crash)")
+                continue
+            if outcome["outcome"] == "harness":
+                problems.append(f"rank {r}: {outcome['message']}")
+                continue
+            if fault in ("none", "sleep under"):
+                if outcome["outcome"] != "finished":
+                    problems.append(f"rank {r}: {outcome['outcome']}: {outcome.get('message', '')}")
+                continue
+            if r == victim:
+                continue  # the faulty rank: its own error, whatever it is
+            if outcome["outcome"] == "wrong":
+                problems.append(f"rank {r}: silently wrong: {outcome['message']}")
+            elif outcome["outcome"] != "RingSeqError":
+                problems.append(f"rank {r}: {outcome['outcome']} instead of a RingSeqError: {outcome.get('message')}")
+            else:
+                slowest = max(slowest, outcome["seconds"])
+                text = outcome["message"].lower()
+                named = f"global rank {victim}" in text or f"group rank {victim}" in text
+                if not named:
+                    problems.append(f"rank {r} did not name rank {victim}: {text}")
+                blamed = {int(x) for x in re.findall(r"global rank (\d+) (?:failed|raised)", text)}
+                if fault in BREAKING and blamed - {victim}:  # a healthy neighbour that gave up after its own error
+                    problems.append(f"rank {r} blamed healthy rank(s) {sorted(blamed - {victim})}: {text}")
+                bound = TIMEOUT + GRACE + SLACK if fault in BREAKING + ("sleep past",) else TIMEOUT + SLACK
+                if outcome["seconds"] > bound:
+                    problems.append(f"rank {r} raised after {outcome['seconds']} s (bound {bound} s)")
+            if fault in RECOVERABLE and outcome.get("again") != "exact":
+                problems.append(f"rank {r}: the call after the fault: {outcome.get('again')}")
+        verdicts.append(dict(tree=tree["index"], world=world, **case, ok=not problems, problems=problems,
+                             slowest_error_s=slowest))
+    return verdicts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cases", type=int, default=300)
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=None, help="also write every case's verdict as JSON lines here")
+    args = p.parse_args(argv)
+    from tqdm import tqdm
+
+    rng, verdicts, start = random.Random(args.seed), [], time.time()
+    bar = tqdm(total=args.cases, desc="fault soak", unit="case")
+    index = 0
+    while len(verdicts) < args.cases and time.time() - start < 60 * args.minutes:
+        tree = draw_tree(rng, index)
+        index += 1
+        got = judge(tree, run_tree(tree))
+        verdicts += got
+        bar.update(len(got))
+        bar.set_postfix(failures=sum(not v["ok"] for v in verdicts))
+    bar.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.writelines(json.dumps(v) + "\n" for v in verdicts)
+    by_fault = {}
+    for v in verdicts:
+        row = by_fault.setdefault(v["fault"], {"cases": 0, "failures": 0, "slowest_error_s": 0.0})
+        row["cases"] += 1
+        row["failures"] += not v["ok"]
+        row["slowest_error_s"] = max(row["slowest_error_s"], v["slowest_error_s"])
+    failures = [dict(fault=v["fault"], kind=v["kind"], world=v["world"], victim=v["victim"], problems=v["problems"])
+                for v in verdicts if not v["ok"]]
+    print(json.dumps({"cases": len(verdicts), "trees": index, "failures": len(failures),
+                      "timeout_s": TIMEOUT, "bound_s": TIMEOUT + GRACE + SLACK, "by_fault": by_fault,
+                      "minutes": round((time.time() - start) / 60, 1), "failed": failures[:20]}))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
