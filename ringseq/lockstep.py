@@ -83,7 +83,7 @@ class _State:
     broken: str | None = None
     """Why the group's transfers can no longer be trusted (a wait timed out or a peer's transport failed)."""
     agreed_at: float = 0.0
-    """time.time() of the group's last agreement: notes of peers older than it are of another incident."""
+    """time.time() the last rank entered the group's last agreement: notes older than it are of another incident."""
     born: float = dataclasses.field(default_factory=time.time)
     """time.time() this rank began to use the group (the bound for notes before any agreement)."""
     peers: list | None = None
@@ -255,8 +255,8 @@ def check_at_end_of_backward(sp) -> None:
 
 
 def mark_broken(sp, reason: str) -> None:
-    """The group's transfers can no longer be trusted: every later call raises ``reason`` (no
-    note for the peers: this rank was waiting, as its "waiting" note says)."""
+    """The group's transfers can no longer be trusted: every later call raises ``reason`` (the
+    note for the peers is ``transport_error``'s, which names the rank it blames)."""
     st = state(sp)
     st.broken = st.broken or reason
     mark_failed(sp)
@@ -323,7 +323,9 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         if late is not None:  # every rank has met: this one raises for its earlier call (its record said so)
             raise RingSeqError(late)
         if verdict == "in step":
-            st.failure, st.agreed_at = None, time.time()
+            # notes posted after the last rank entered this agreement are of a new incident (a rank that
+            # raises at once may post before this rank has even left the all-gather)
+            st.failure, st.agreed_at = None, max(from_bits(row[-1]) for row in table)
             return number
         message = _mismatch(compared, names, hint, behind=verdict == "behind")
         cause = None
@@ -490,18 +492,24 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
     root = None
     if timed_out:
-        who = peers.blame(sp, what, agreed)
+        root, who = peers.blame(sp, what, agreed)
         cause = f"no answer within the {sp.timeout:g} s timeout (ringseq.init(timeout=...) or RINGSEQ_TIMEOUT): "
         cause += who or f"{from_whom} is stopped, stuck, far slower, or itself waiting for another"
     else:
         detail = text.splitlines()[0][:200] if text else type(exc).__name__
         if peer is not None:
+            # at once, before reading the others' notes: a survivor whose connection with this rank closed
+            # (gloo closes them all) finds that this one is alive and where it looks next
+            peers.post_failure(sp, f"while waiting for {what}: the connection with global rank {peer} closed",
+                               cause=peer, breaking=True)
             root, words = peers.explain(sp, peer, agreed)
             cause = words or f"global rank {root} failed or exited ({detail})"
-        else:
-            cause = peers.blame(sp, what, agreed, grace=1.0) or f"{from_whom} failed or exited ({detail})"
+        else:  # a collective of the whole group: the notes of every rank
+            cause = peers.blame(sp, what, agreed)[1] or f"{from_whom} failed or exited ({detail})"
+            root = peers.AFTERMATH
     message = f"while waiting for {what}: {cause}"
     mark_broken(sp, message)
-    if not timed_out:  # survivors whose transfers with this rank fail next follow this note to the cause
-        peers.post_failure(sp, message, cause=root)
+    # survivors whose transfers with this rank fail next (gloo closes a process's connections when
+    # one fails or times out) follow this note to the cause
+    peers.post_failure(sp, message, cause=peers.AFTERMATH if root is None else root, breaking=True)
     return RingSeqError(message)

@@ -64,19 +64,33 @@ def _store(timeout: float):
 
 
 class _Bounded:
-    """A store made and called on daemon threads, each call given up at its deadline; after a call
-    was given up, later ones fail at once (the store does not answer) instead of piling up threads."""
+    """A store made and called on daemon threads, each call given up at its deadline. A later call
+    first waits (within its own deadline) for a call given up before, which a slow store may still
+    answer (on a loaded machine a read can outlast a short deadline); if that one still hangs, the
+    store does not answer and the call fails at once instead of piling up threads."""
 
     def __init__(self, make):
         self.make, self.store, self.stuck, self.timeout = make, None, None, 1.0
+
+    def prepare(self) -> None:
+        """Make the store (on the calling thread); a failure is left for the first call to meet."""
+        try:
+            if self.store is None:
+                self.store = self.make()
+        except Exception:  # noqa: BLE001 - the first real call tries again within its deadline
+            pass
 
     def within(self, timeout: float) -> "_Bounded":
         self.timeout = max(0.05, timeout)
         return self
 
     def _call(self, name, *args):
-        if self.stuck is not None and self.stuck.is_alive():
-            raise TimeoutError("the store has not answered an earlier call")
+        deadline = time.monotonic() + self.timeout
+        if self.stuck is not None:  # an earlier call given up at its deadline: a slow store may answer it yet
+            self.stuck.join(self.timeout)
+            if self.stuck.is_alive():
+                raise TimeoutError("the store has not answered an earlier call")
+            self.stuck = None
         box = {}
 
         def run():
@@ -89,7 +103,7 @@ class _Bounded:
 
         worker = threading.Thread(target=run, daemon=True, name="ringseq-store")
         worker.start()
-        worker.join(self.timeout)
+        worker.join(max(0.01, deadline - time.monotonic()))
         if worker.is_alive():
             self.stuck = worker
             raise TimeoutError(f"the store did not answer {name} within {self.timeout:g} s")
@@ -107,6 +121,48 @@ class _Bounded:
         return self._call("check", keys)
 
 
+def connect(sp) -> None:
+    """Make this rank's store client now, on a thread (``ringseq.init``): at a failure every
+    survivor reads at once, and a client made then may not connect within the grace."""
+    if sp.size > 1:
+        bounded = _store(_timeout(sp))
+        if bounded is not None:
+            threading.Thread(target=bounded.prepare, daemon=True, name="ringseq-store-connect").start()
+
+
+_silent_until = 0.0
+
+
+def _found_silent(sp) -> None:
+    """The store did not answer: notes are not written for a while (each would wait its grace)."""
+    global _silent_until
+    _silent_until = time.time() + 2 * _timeout(sp)
+
+
+_linger_until = 0.0
+LINGER_S = 10.0
+"""The longest a store's host stays at exit for the survivors of a failure (with a long timeout)."""
+
+
+def _incident(sp, breaking: bool) -> None:
+    """A failure on ``sp``'s group: the store's host keeps serving the notes a while at exit. A
+    failure every rank meets in the same call is read within a second (``raised_since``); one that
+    breaks the group may reach a rank only at its timeout (then it reads within its grace)."""
+    global _linger_until
+    stay = min(sp.timeout, LINGER_S) + 2 * _timeout(sp) + 0.5 if breaking else 1.5
+    _linger_until = max(_linger_until, time.time() + stay)
+
+
+def linger() -> None:
+    """At exit (``ringseq.processes``' exit handler and ``exit_now``): a process that serves the
+    rendezvous store (global rank 0 without torchrun's agent) stays, after a failure it saw,
+    until the survivors that learn of it last (by their timeout, at most ``LINGER_S``) have read
+    the notes, instead of taking the store with it."""
+    serving = dist.is_initialized() and _store_host() == dist.get_rank()
+    if serving and time.time() < _linger_until:
+        time.sleep(_linger_until - time.time())
+
+
 def _key(sp, what: str, rank: int) -> str:
     return f"ringseq/{'-'.join(map(str, sp.ranks))}/{what}/{rank}"
 
@@ -120,11 +176,15 @@ AFTERMATH = -1
 group found out of step after failures): the note is quoted, its rank is not blamed."""
 
 
-def post_failure(sp, text: str, cause: int | None = None) -> None:
+def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False) -> None:
     """Note that this rank's ringseq call failed (read by peers whose waits then end badly);
     ``cause``: the global rank this rank's error blames (the failure began there), or
-    ``AFTERMATH``."""
+    ``AFTERMATH``; ``breaking``: the failure ended the group's transfers (how long the store's
+    host stays at exit, ``linger``)."""
     if sp.size == 1:
+        return
+    _incident(sp, breaking)
+    if time.time() < _silent_until:  # the store just failed to answer: a note would cost a grace for nothing
         return
     store = _store(_timeout(sp))
     if store is None:
@@ -156,17 +216,21 @@ class _Notes:
             stamp, _, rest = self.store.get(key).decode().partition("|")
         except Exception:  # noqa: BLE001 - a store that does not answer: stop reading
             self.store, self.lost = None, True
+            _found_silent(self.sp)
             return None
         return rest if float(stamp) >= self.since else None
 
     def read(self, rank: int) -> None:
-        if rank in self.failed or rank in self.waiting:
+        """Read ``rank``'s notes: a waiting rank is read again (it leaves its failure note after
+        its own grace)."""
+        if rank in self.failed:
             return
         note = self._read(_key(self.sp, "failed", rank))
         if note is not None:
             cause, _, text = note.partition("|")
             self.failed[rank] = (int(cause) if cause else None, text)
-        elif self._read(_key(self.sp, "waiting", rank)) is not None:
+            self.waiting.discard(rank)
+        elif rank not in self.waiting and self._read(_key(self.sp, "waiting", rank)) is not None:
             self.waiting.add(rank)
 
     def root(self, rank: int) -> int:
@@ -187,43 +251,46 @@ class _Notes:
         return None
 
 
-def blame(sp, what: str, since: float, grace: float | None = None) -> str | None:
-    """After a wait timed out: which ranks of the group stalled or failed, in words, from the
-    notes left since ``since`` (time.time() of the group's last agreement: a peer may have
-    raised long before this rank began to wait); None when the store cannot tell."""
+def blame(sp, what: str, since: float, grace: float | None = None) -> tuple[int | None, str | None]:
+    """After a wait timed out: which ranks of the group stalled or failed, from the notes left
+    since ``since`` (time.time() of the group's last agreement: a peer may have raised long
+    before this rank began to wait): the first of them and all of them in words; (None, None)
+    when the store cannot tell."""
     grace = _timeout(sp) if grace is None else grace
     deadline = time.time() + grace
     if _default_store() is None:
-        return None
+        return None, None
+    _incident(sp, breaking=True)
     notes = _Notes(sp, since, deadline)
     if notes.store is None:  # no connection to the store within the grace
-        return _store_host_silent(sp, grace)
+        return 0, _store_host_silent(sp, grace)
     me = dist.get_rank()
     try:
         notes.store.set(_key(sp, "waiting", me), f"{time.time():.3f}|{what}")
     except Exception:  # noqa: BLE001 - the store does not answer: its host is the one stopped
-        return _store_host_silent(sp, grace)
+        _found_silent(sp)
+        return 0, _store_host_silent(sp, grace)
     others = [r for r in sp.ranks if r != me]
     while time.time() < deadline and notes.store is not None and len(notes.failed) + len(notes.waiting) < len(others):
         for r in others:
             notes.read(r)
-        time.sleep(0.05)
+        time.sleep(0.02)
     roots = notes.roots()
     raised = [r for r in sorted(roots) if notes.words(r)]
     if notes.lost:  # a connection that takes writes but whose reads go unanswered: a frozen store host
-        return "; ".join([notes.words(r) for r in raised] + [_store_host_silent(sp, grace)])
+        return (raised or [0])[0], "; ".join([notes.words(r) for r in raised] + [_store_host_silent(sp, grace)])
     silent = sorted({r for r in others if r not in notes.failed and r not in notes.waiting} | (roots - set(raised)))
     parts = [notes.words(r) for r in raised]
     if silent:
         parts.append(f"global rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} never reached a "
                      f"ringseq wait: stopped, stuck in other work, far slower, or dead")
     if not parts:
-        return None
+        return None, None
     waited = sorted(notes.waiting | (set(notes.failed) - roots))
     if waited:
         parts.append(f"global rank{'s' if len(waited) > 1 else ''} {', '.join(map(str, waited))} "
                      f"waited or failed as this one did")
-    return "; ".join(parts)
+    return (raised or silent)[0], "; ".join(parts)
 
 
 def _store_host_silent(sp, grace: float) -> str:
@@ -239,23 +306,52 @@ def _store_host_silent(sp, grace: float) -> str:
 
 def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
     """After a transfer with ``peer`` failed (its connection closed): the rank where the failure
-    began and, when it left a note of its own error, that error in words. A peer that raised
-    because of another rank is followed there; one that left no note failed or exited."""
+    began and, when it left a note of its own error, that error in words. A peer's note that
+    blames another rank is followed there; the rank at the end of the chain that left no note
+    failed or exited. gloo closes every connection of a process when one of them fails, so two
+    healthy survivors can blame each other (each posts a provisional note at once, blaming the
+    peer of its failed transfer): then the rank of the group that left no note at all is named."""
     notes = _Notes(sp, since, time.time() + min(0.3, _timeout(sp)))
-    if notes.store is None:
-        return peer, None
-    rank = peer
-    while True:  # the peer's note may be a moment behind the closed connection
+    me, rank, seen, extended = dist.get_rank(), peer, set(), False
+    while notes.store is not None:  # a note may be a moment behind the closed connection
         notes.read(rank)
-        if rank in notes.failed or time.time() >= notes.deadline or notes.store is None:
-            if rank in notes.failed and notes.root(rank) not in (rank, AFTERMATH):
-                rank = notes.root(rank)
-                continue
-            break
-        time.sleep(0.05)
-    if rank in notes.failed and notes.failed[rank][0] == AFTERMATH:
-        return rank, f"global rank {rank} stopped after a failure elsewhere ({notes.failed[rank][1]})"
-    return rank, notes.words(rank)
+        if rank in notes.failed:
+            cause, text = notes.failed[rank]
+            if cause is None:
+                return rank, notes.words(rank)
+            if cause == AFTERMATH:
+                return rank, f"global rank {rank} stopped after a failure elsewhere ({text})"
+            seen.add(rank)
+            if cause == me or cause in seen:  # survivors that blamed each other
+                break
+            rank = cause
+            continue
+        if rank in notes.waiting and not extended:  # alive, timed out: its failure note follows its grace
+            notes.deadline, extended = max(notes.deadline, time.time() + _timeout(sp) + 0.3), True
+        if time.time() >= notes.deadline:
+            return rank, None  # no note: this one failed or exited
+        time.sleep(0.02)
+    others = [r for r in sp.ranks if r != me]
+    while notes.store is not None and time.time() < notes.deadline:
+        for r in others:
+            notes.read(r)
+        time.sleep(0.02)
+    if notes.lost and _store_host() == 0:  # connections closed and the store gone: its host died
+        return 0, (f"global rank 0{'' if 0 in sp.ranks else ' (a rank of another sequence group)'} failed or exited "
+                   f"(it served the rendezvous store, which is gone too)")
+    silent = [r for r in others if r not in notes.failed and r not in notes.waiting]
+    return (silent[0] if len(silent) == 1 else peer), None
+
+
+def _store_host() -> int | None:
+    """The global rank whose process serves the rendezvous store: 0 for a TCP store made by
+    ``init_process_group``, None under torchrun's agent (or without a TCP store)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return None
+    inner = _default_store()
+    while isinstance(inner, dist.PrefixStore):
+        inner = inner.underlying_store
+    return 0 if isinstance(inner, dist.TCPStore) else None
 
 
 def who_raised(sp, since: float) -> str | None:

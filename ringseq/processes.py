@@ -24,10 +24,19 @@ def free_port() -> int:
 def exit_now(code: int = 0) -> None:
     """End a process without interpreter teardown, once its work and checks are done: our test
     scripts and launched test jobs leave this way (no finalization to race, no teardown time).
-    A user's job exits normally; ``settle_at_exit`` keeps that exit clean."""
+    A user's job exits normally; ``settle_at_exit`` keeps that exit clean. Either way a process
+    that serves the rendezvous store stays while the survivors of a recent failure read their
+    notes (``ringseq.peers.linger``)."""
     sys.stdout.flush()
     sys.stderr.flush()
+    _linger()
     os._exit(code)
+
+
+def _linger() -> None:
+    """The store's host stays while the survivors of a failure read its notes (``ringseq.peers.linger``)."""
+    if "ringseq.peers" in sys.modules:
+        sys.modules["ringseq.peers"].linger()
 
 
 SETTLE_S = 0.2  # how long the interpreter hands the GIL to torch's threads before it finalizes
@@ -53,6 +62,7 @@ def settle_at_exit() -> None:
 def _settle() -> None:
     import gc
 
+    _linger()
     gc.collect()
     time.sleep(SETTLE_S)
 

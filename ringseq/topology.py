@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from . import peers
 from .config import RingSeqConfig, from_env
 from .errors import RingSeqError
 from .process_group import ensure_process_group, node_key
@@ -206,7 +207,9 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
         check_group=check_group)
     mpu = SequenceParallelMPU(**{k: fields[k] for k in (
         "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
-    return SequenceParallel(**fields, mpu=mpu)
+    sp = SequenceParallel(**fields, mpu=mpu)
+    peers.connect(sp)  # the store client the failure notes need, made before any failure
+    return sp
 
 
 def _nodes(world: int) -> list | None:

@@ -1,0 +1,52 @@
+"""Store calls on an error path are bounded (ringseq.peers._Bounded): a store that does not answer
+costs the caller its deadline and no more; a slow one that answers late is used again."""
+import threading
+import time
+
+import pytest
+
+from ringseq import peers
+
+
+class SlowStore:
+    """A store whose calls take ``delay`` seconds (``event``: block until set, as a frozen host)."""
+
+    def __init__(self, delay=0.0, event=None):
+        self.delay, self.event, self.data = delay, event, {}
+
+    def _pause(self):
+        if self.event is not None:
+            self.event.wait()
+        time.sleep(self.delay)
+
+    def set(self, key, value):
+        self._pause()
+        self.data[key] = value
+
+    def get(self, key):
+        self._pause()
+        return self.data[key]
+
+    def check(self, keys):
+        self._pause()
+        return all(k in self.data for k in keys)
+
+
+def test_a_frozen_store_costs_each_call_its_deadline_only():
+    frozen = threading.Event()
+    store = peers._Bounded(lambda: SlowStore(event=frozen)).within(0.2)
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        store.set("a", b"1")
+    with pytest.raises(TimeoutError):  # the earlier call still hangs: this one gives up within its own deadline
+        store.check(["a"])
+    assert time.monotonic() - start < 0.2 * 2 + 0.3
+    frozen.set()
+
+
+def test_a_call_given_up_on_a_slow_store_does_not_block_the_next():
+    store = peers._Bounded(lambda: SlowStore(delay=0.15)).within(0.05)
+    with pytest.raises(TimeoutError):
+        store.set("a", b"1")  # given up at 0.05 s; the store answers at 0.15 s
+    store.within(0.5)
+    assert store.check(["a"]) and store.get("a") == b"1"  # waits for the late answer, then goes on
