@@ -185,8 +185,7 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
 def peer_failed(sp, label: str) -> str:
     """The error of a ring call a peer's failure reached as a flag, naming that peer and quoting
     its error from its note where it left one (``peers.who_raised``)."""
-    real = sp.size > 1 and getattr(sp, "timeout", None) is not None  # not a virtual ring's stand-in
-    who = peers.who_raised(sp, state(sp).agreed_at or state(sp).born) if real else None
+    who = peers.who_raised(sp, state(sp).agreed_at or state(sp).born) if peers.shared(sp) else None
     return (f"{label} failed on another rank of the ring ({who or 'its block compute raised; see that rank'}): "
             f"this rank stops too instead of using its blocks")
 
@@ -330,7 +329,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         message = _mismatch(compared, names, hint, behind=verdict == "behind")
         cause = None
         if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
-            began, words = peers.raised_since(sp, st.agreed_at or st.born) if sp.size > 1 else ([], None)
+            began, words = peers.raised_since(sp, st.agreed_at or st.born) if peers.shared(sp) else ([], None)
             cause = began[0] if began else peers.AFTERMATH
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it

@@ -124,7 +124,7 @@ class _Bounded:
 def connect(sp) -> None:
     """Make this rank's store client now, on a thread (``ringseq.init``): at a failure every
     survivor reads at once, and a client made then may not connect within the grace."""
-    if sp.size > 1:
+    if shared(sp):
         bounded = _store(_timeout(sp))
         if bounded is not None:
             threading.Thread(target=bounded.prepare, daemon=True, name="ringseq-store-connect").start()
@@ -163,6 +163,12 @@ def linger() -> None:
         time.sleep(_linger_until - time.time())
 
 
+def shared(sp) -> bool:
+    """Whether ``sp``'s ranks are processes that share a store (not one process, not the virtual
+    ring's stand-in ranks, which live in one process and have no timeout of their own)."""
+    return sp.size > 1 and getattr(sp, "timeout", None) is not None and _default_store() is not None
+
+
 def _key(sp, what: str, rank: int) -> str:
     return f"ringseq/{'-'.join(map(str, sp.ranks))}/{what}/{rank}"
 
@@ -181,7 +187,7 @@ def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False
     ``cause``: the global rank this rank's error blames (the failure began there), or
     ``AFTERMATH``; ``breaking``: the failure ended the group's transfers (how long the store's
     host stays at exit, ``linger``)."""
-    if sp.size == 1:
+    if not shared(sp):
         return
     _incident(sp, breaking)
     if time.time() < _silent_until:  # the store just failed to answer: a note would cost a grace for nothing

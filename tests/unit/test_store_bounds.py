@@ -50,3 +50,16 @@ def test_a_call_given_up_on_a_slow_store_does_not_block_the_next():
         store.set("a", b"1")  # given up at 0.05 s; the store answers at 0.15 s
     store.within(0.5)
     assert store.check(["a"]) and store.get("a") == b"1"  # waits for the late answer, then goes on
+
+
+def test_the_virtual_rings_stand_in_ranks_leave_no_notes():
+    """The virtual ring's ranks share one process and have no timeout: a kernel failure there is
+    raised as it is, with no store to write to (gpu_check --device cpu runs such failures)."""
+    import types
+
+    from ringseq import lockstep
+
+    stand_in = types.SimpleNamespace(ranks=("virtual", 2, 0), size=2)
+    assert not peers.shared(stand_in)
+    peers.post_failure(stand_in, "a kernel raised")
+    assert "failed on another rank" in lockstep.peer_failed(stand_in, "ring_attention #0")
