@@ -224,11 +224,10 @@ def run_tree(tree: dict) -> dict:
     """Spawn the tree, collect each rank's outcomes (a dead or stopped rank gives none), end it."""
     from multiprocessing.connection import wait
 
-    import torch.multiprocessing as mp
-
     from ringseq.processes import free_port
+    from ringseq.testing import process_context
 
-    ctx = mp.get_context("spawn")
+    ctx = process_context()
     world, port = tree["world"], free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = [ctx.Process(target=_rank, args=(r, world, port, tree, pipes[r][1]), daemon=True) for r in range(world)]

@@ -176,7 +176,6 @@ def ringseq_run(args) -> None:
     import torch.distributed as dist
 
     import ringseq
-    from ringseq.processes import exit_now
 
     sp = ringseq.init(sp_size=int(os.environ.get("WORLD_SIZE", "1")))
     refs = torch.load(args.reference, weights_only=False)
@@ -198,7 +197,6 @@ def ringseq_run(args) -> None:
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
     dist.barrier()
-    exit_now(0)
 
 
 def main():
@@ -214,4 +212,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from ringseq.processes import exit_now
+
     main()
+    exit_now(0)  # no interpreter teardown (see exit_now)

@@ -244,7 +244,6 @@ def ringseq_run(args) -> None:
     import torch.distributed as dist
 
     import ringseq
-    from ringseq.processes import exit_now
     from ringseq.testing import assert_refused
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -274,7 +273,6 @@ def ringseq_run(args) -> None:
     if rank == 0:
         shutil.rmtree(folder[0], ignore_errors=True)
     dist.barrier()
-    exit_now(0)
 
 
 def main():
@@ -291,4 +289,7 @@ def main():
 
 
 if __name__ == "__main__":
+    from ringseq.processes import exit_now
+
     main()
+    exit_now(0)  # no interpreter teardown (see exit_now)

@@ -90,7 +90,7 @@ def test_longest_benchmark(tmp_path):
     assert (tmp_path / "longest.png").exists()
 
 
-@pytest.mark.slow  # run it (pytest -m slow -k gpu_check) before spending device time on the script
+# in the default run: the script a device run spends its time on must not break unseen (it did once, under -m slow)
 def test_gpu_check_runs_its_cpu_part():
     """benchmarks/gpu_check.py --device cpu (through its shell wrapper): every check that applies
     off CUDA runs, is exact, and the script exits 0; the CUDA-only backends are not in it."""

@@ -5,10 +5,7 @@ from . import cases_batches, cases_memory, cases_parity
 from .hf_models import FAMILIES
 
 
-@pytest.mark.parametrize("family,layout", [
-    (family, layout) if layout == "zigzag" or family in ("llama", "gemma2") else
-    pytest.param(family, layout, marks=pytest.mark.slow)  # the contiguous layout: two families by default
-    for family in FAMILIES for layout in ("zigzag", "contiguous")])
+@pytest.mark.parametrize("family,layout", [(family, layout) for family in FAMILIES for layout in ("zigzag", "contiguous")])
 def test_family_matches_unpatched(pool2, pool4, family, layout):
     pool2.run(cases_parity.parity, family, layout)
     if layout == "zigzag":  # world 4 once per family; the contiguous layout at world 4 runs in the packed cases
@@ -17,21 +14,16 @@ def test_family_matches_unpatched(pool2, pool4, family, layout):
 
 @pytest.mark.parametrize("family,kind", [
     ("llama", "packed"), ("llama", "padded"), ("mistral", "packed"), ("mistral", "padded"), ("gemma2", "packed"),
-    pytest.param("gemma2", "padded", marks=pytest.mark.slow), pytest.param("gpt_oss", "packed", marks=pytest.mark.slow),
-    ("gpt_oss", "padded")])
+    ("gemma2", "padded"), ("gpt_oss", "packed"), ("gpt_oss", "padded")])
 def test_packed_and_padded_batches(pool2, pool4, family, kind):
     pool2.run(cases_parity.parity, family, "zigzag", kind)
     pool4.run(cases_parity.parity, family, "contiguous", kind)
 
 
-SLOW = pytest.mark.slow
-
-
 @pytest.mark.parametrize("dtype,family,kind", [
-    ("bf16", "llama", "packed"), ("fp16", "gemma2", "plain"), pytest.param("fp16", "llama", "packed", marks=SLOW),
-    pytest.param("bf16", "qwen2", "plain", marks=SLOW), pytest.param("fp16", "qwen2", "plain", marks=SLOW),
-    pytest.param("bf16", "gemma2", "plain", marks=SLOW), ("bf16", "gpt_oss", "padded"),
-    pytest.param("fp16", "gpt_oss", "padded", marks=SLOW)])
+    ("bf16", "llama", "packed"), ("fp16", "gemma2", "plain"), ("fp16", "llama", "packed"),
+    ("bf16", "qwen2", "plain"), ("fp16", "qwen2", "plain"), ("bf16", "gemma2", "plain"), ("bf16", "gpt_oss", "padded"),
+    ("fp16", "gpt_oss", "padded")])
 def test_autocast_matches_unpatched_under_autocast(pool2, family, kind, dtype):
     pool2.run(cases_parity.autocast_parity, family, dtype, kind)
 
@@ -59,7 +51,7 @@ def test_unsupported_models_are_refused(pool2):
 @pytest.mark.parametrize("family,tiled_mlp,reentrant,offload,enable_first,keep,head_groups", [
     ("llama", None, False, False, True, True, None), ("gemma2", None, True, False, False, True, None),
     ("llama", 3, False, True, False, True, None),
-    pytest.param("qwen3", 2, True, False, True, True, None, marks=pytest.mark.slow),
+    ("qwen3", 2, True, False, True, True, None),
     ("llama", None, False, False, False, False, "kv")])
 def test_gradient_checkpointing_never_replays_the_ring(pool2, pool4, family, tiled_mlp, reentrant, offload,
                                                        enable_first, keep, head_groups):

@@ -5,7 +5,6 @@ import pytest
 from . import cases_batches, cases_hybrid, cases_memory, cases_parity
 from .hybrid_configs import CHUNK, HYBRIDS
 
-SLOW = pytest.mark.slow
 
 
 def per_rank(family: str) -> int:
@@ -41,14 +40,14 @@ def test_hybrid_under_ulysses_x_ring(pool4, family):
 
 
 @pytest.mark.parametrize("family,kind", [("qwen3_5", "plain"), ("kimi_linear", "packed"), ("bamba", "padded"),
-                                         pytest.param("lfm2", "plain", marks=SLOW),
-                                         pytest.param("nemotron_h", "padded", marks=SLOW)])
+                                         ("lfm2", "plain"),
+                                         ("nemotron_h", "padded")])
 def test_hybrid_under_bf16_autocast(pool2, family, kind):
     pool2.run(cases_parity.autocast_parity, family, "bf16", kind, 64)
 
 
 @pytest.mark.parametrize("family,reentrant", [("qwen3_5", False), ("falcon_h1", True),
-                                              pytest.param("kimi_linear", False, marks=SLOW)])
+                                              ("kimi_linear", False)])
 def test_hybrid_gradient_checkpointing(pool2, family, reentrant):
     """Checkpointed hybrid layers: the recompute exchanges the recurrent summaries again (cheap), the
     ring is still never replayed; exact."""

@@ -1,23 +1,14 @@
-"""The ringseq command and DeepSpeed glue, through the real launchers in subprocesses."""
-import glob
+"""The ringseq command, the examples and the launchers themselves, through the real launchers in
+subprocesses (tests/launched.py)."""
 import json
 import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-# torchrun and accelerate launch give each rank one thread; deepspeed's launcher leaves torch's
-# default (every core), so its ranks would oversubscribe this machine's cores
-ONE_THREAD = {"OMP_NUM_THREADS": "1"}
-
-
-def ringseq_cmd(*args, cwd=ROOT, timeout=600):
-    return subprocess.run([sys.executable, "-m", "ringseq.launch.cli", *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+from tests.launched import ONE_THREAD, ROOT, ringseq_cmd
 
 
 def test_demo_runs_and_the_curves_agree(tmp_path):
@@ -27,13 +18,6 @@ def test_demo_runs_and_the_curves_agree(tmp_path):
     assert "attention cut at the middle" in run.stdout and "retrieval accuracy after 4 steps" in run.stdout
     assert "answers by model.generate on held-out prompts: ring" in run.stdout
     assert (tmp_path / "demo.png").stat().st_size > 0
-
-
-def test_needle_example_answers_as_the_unpatched_model():
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/needle_generate.py", "--steps", "10",
-                      "--train-len", "128", "--lengths", "128", "300", "--depths", "0.2", "0.8", "--batch", "4")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "every answer equals the unpatched model's" in run.stdout and "depth 0.8" in run.stdout
 
 
 # the deepspeed launcher runs its own examples in test_trainer.py and every ds_step launch above;
@@ -78,44 +62,6 @@ def test_env_reports_kernels():
         assert f"cuda bf16 {feature}" in run.stdout and kernel in run.stdout.split(f"cuda bf16 {feature}")[1].split("\n")[0]
 
 
-def deepspeed_cases(nproc, *cases):
-    """Run ds_step.py's cases under ``deepspeed --num_gpus nproc``; every rank must report each."""
-    exe = Path(sys.executable).with_name("deepspeed")
-    from ringseq.processes import free_port
-
-    port = free_port()
-    run = subprocess.run([str(exe), "--num_gpus", str(nproc), "--master_port", str(port),
-                          "tests/integration/ds_step.py", *cases], cwd=ROOT, capture_output=True, text=True,
-                         timeout=900, env={**os.environ, **ONE_THREAD, "PYTHONUNBUFFERED": "1"})
-    out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
-    # DeepSpeed's CPU comm layer leaves a ~69 MB /dev/shm buffer per rank; ringseq removes the names
-    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"), "shared-memory buffers left behind"
-    for n, case in enumerate(cases):
-        assert out.count(f"case {n} [{case}] ok") == nproc, f"case {case}:\n" + out[-4000:]
-
-
-def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused():
-    """ZeRO 0-3 (two of them without clipping), the ds_config section, the shipped configs, checkpointing
-    with tiled MLPs under ZeRO-2 and ZeRO-3 (each weight's gradient reduced once, after the last tile), and
-    the refusals: ZeRO-3 reduce_scatter, an sp_size that does not divide the world, a misspelt key."""
-    deepspeed_cases(2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,section",
-                    "stage=2,memory", "stage=3,clip=0,memory",
-                    "config=launch/configs/ds_zero1.json", "config=launch/configs/ds_zero2.json",
-                    "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,refuse=reduce_scatter averages",
-                    "stage=2,section,sp=3,refuse=sp_size 3 must divide the world size",
-                    "stage=2,section,extra=sp_szie:2,refuse=unknown keys ['sp_szie']")
-
-
-def test_deepspeed_with_data_parallel_replicas_and_checkpoints():
-    deepspeed_cases(4, "stage=3,sp=2,checkpoint,resume_sp=4")
-
-
-@pytest.mark.slow  # ZeRO-1's checkpoint goes through the same save/resume glue as ZeRO-3's above
-def test_deepspeed_zero_1_checkpoint_resumes_at_another_shape():
-    deepspeed_cases(4, "stage=1,sp=2,checkpoint,resume_sp=4")
-
-
 def test_two_nodes_keep_ulysses_on_a_node_and_a_hybrid_step_is_exact():
     """Two torchrun "nodes" on this machine (rendezvous on localhost, 2 processes each): the
     groups init builds, and an exact Ulysses x ring step whose ring crosses the nodes."""
@@ -132,35 +78,6 @@ def test_two_nodes_keep_ulysses_on_a_node_and_a_hybrid_step_is_exact():
         assert p.returncode == 0, out[-2000:] + err[-3000:]
     text = "".join(out for out, _ in outs)
     assert text.count(": exact") == 4 and "rank 3 on node 1: ulysses [2, 3], ring [1, 3]" in text, text
-
-
-def test_the_hybrid_example_trains_and_matches_unpatched(tmp_path):
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/hybrid_trainer.py", "--steps", "3", "--out",
-                      str(tmp_path))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    assert "training losses over 3 steps (sp 2, 1 replica(s))" in run.stdout, run.stdout[-2000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("held-out loss"))
-    assert float(line.rsplit("relative difference ", 1)[1].rstrip(")")) <= 1e-5, line
-
-
-def test_the_vlm_example_trains_and_matches_unpatched():
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/vlm_finetune.py", "--steps", "2",
-                      "--seq-len", "512", "--images", "8", "--split-vision")
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    line = next(x for x in run.stdout.splitlines() if x.startswith("held-out loss"))
-    assert float(line.rsplit("relative difference ", 1)[1].rstrip(")")) <= 1e-5, line
-    assert "kinds named right: " in run.stdout, run.stdout[-2000:]
-
-
-@pytest.mark.slow  # its trainer is tested step for step against TRL in test_grpo
-def test_the_grpo_example_trains_and_draws_its_rewards(tmp_path):
-    out, plot = tmp_path / "rewards.json", tmp_path / "rewards.png"
-    run = ringseq_cmd("launch", "--sp", "2", "--nproc", "2", "examples/grpo_retrieval.py", "--steps", "2",
-                      "--prompt-len", "96", "--mentions", "2", "--out", str(out), "--plot", str(plot))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rewards = json.loads(out.read_text())
-    assert len(rewards) == 2 and all(0 <= r <= 1 for r in rewards) and plot.exists(), run.stdout[-2000:]
-    assert "sequences of 98 tokens over 2 ranks" in run.stdout, run.stdout[-2000:]
 
 
 @pytest.mark.parametrize("launcher", ["torchrun", "deepspeed", "accelerate"])

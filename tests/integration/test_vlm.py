@@ -14,8 +14,7 @@ def test_vlm_matches_unpatched(pool2, pool4, family):
     pool4.run(cases_vlm.parity, family)
 
 
-SPLIT = [f if f in ("qwen2_5_vl", "qwen3_vl_moe", "gemma3") else pytest.param(f, marks=pytest.mark.slow)
-         for f in VLMS if f not in ("idefics3", "smolvlm")]  # those two: pixels [rows, images, ...], refused
+SPLIT = [f for f in VLMS if f not in ("idefics3", "smolvlm")]  # those two: pixels [rows, images, ...], refused
 
 
 @pytest.mark.parametrize("family", SPLIT)
