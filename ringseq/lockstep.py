@@ -329,7 +329,8 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         message = _mismatch(compared, names, hint, behind=verdict == "behind")
         cause = None
         if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
-            began, words = peers.raised_since(sp, st.agreed_at or st.born) if peers.shared(sp) else ([], None)
+            since = st.agreed_at or st.born
+            began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
             cause = began[0] if began else peers.AFTERMATH
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it

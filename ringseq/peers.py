@@ -195,6 +195,8 @@ def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False
     store = _store(_timeout(sp))
     if store is None:
         return
+    if cause == dist.get_rank():  # a failure that began here (the group named this rank): its own, not a link
+        cause = None  # a note blaming itself would be a chain with no root: its readers would wait their grace out
     try:
         store.set(_key(sp, "failed", dist.get_rank()), f"{time.time():.3f}|{'' if cause is None else cause}|{text[:300]}")
     except Exception:  # noqa: BLE001 - a note is a courtesy; the caller raises its own error anyway
@@ -366,13 +368,14 @@ def who_raised(sp, since: float) -> str | None:
     return raised_since(sp, since)[1]
 
 
-def raised_since(sp, since: float) -> tuple[list[int], str | None]:
+def raised_since(sp, since: float, mine: bool = False) -> tuple[list[int], str | None]:
     """The global ranks of the group whose own error began the failures noted since ``since``, and
     their errors in words, read for a moment (a note may trail the flag or the record that told
-    of it); ``([], None)`` when none is found."""
+    of it); ``([], None)`` when none is found. ``mine``: this rank's own note counts too (a group
+    out of step after failures that began with this rank, or with every rank at once)."""
     notes = _Notes(sp, since, time.time() + min(1.0, _timeout(sp)))
     me = dist.get_rank()
-    others = [r for r in sp.ranks if r != me]
+    others = [r for r in sp.ranks if r != me or mine]
     while notes.store is not None and time.time() < notes.deadline:
         for r in others:
             notes.read(r)

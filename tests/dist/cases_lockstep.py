@@ -73,6 +73,21 @@ def asymmetric_calls_are_refused():
     ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # all agreed again: the group works
 
 
+def refusals_in_a_row_quote_where_they_began():
+    """Each refusal after the first names where the failures began, from the notes: the rank that
+    began them is quoted as having raised, even once its later refusals blame the group's first
+    failure, which is its own (a note blaming itself read as a chain without a root)."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    odd = sp.rank == world - 1
+    _raises(lambda: _call(sp, odd, "causal"), "out of step")
+    for case in ("scale", "window", "softcap"):
+        _raises(lambda: _call(sp, odd, case), "out of step after a failure that began here: global rank",
+                ASYMMETRIC[case].format(r=world - 1))
+    (q, k, v), dout = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # all agreed again: the group works
+
+
 def skipped_layer_and_backward_are_refused():
     """A rank that skips a layer (its exception was outside ringseq) or a backward is caught at
     its next ringseq call, on every rank; so are labels on one rank only."""

@@ -14,6 +14,11 @@ def test_asymmetric_calls_are_an_error_on_every_rank(pool2, pool4):
     pool4.run(cases.asymmetric_calls_are_refused)
 
 
+def test_refusals_in_a_row_quote_where_they_began(pool2, pool4):
+    pool2.run(cases.refusals_in_a_row_quote_where_they_began)
+    pool4.run(cases.refusals_in_a_row_quote_where_they_began)
+
+
 def test_skipped_layers_backwards_and_labels_are_caught(pool2, pool4):
     pool2.run(cases.skipped_layer_and_backward_are_refused)
     pool4.run(cases.skipped_layer_and_backward_are_refused)
