@@ -91,20 +91,21 @@ def predict(inputs: dict) -> dict:
 
 def longest_inputs(system: str, N: int) -> dict | None:
     """The ``ringseq.plan`` keywords of one ``longest.py`` probe (its "bench" Llama, fp32, one SGD
-    step), or None for what the planner does not cost: DeepSpeed ALST, and the checkpointing
-    that replays the ring (``keep_ring_outputs=False``). ``groups``: one ring per kv head. ringseq runs through
+    step), or None for what the planner does not cost: DeepSpeed ALST. ``groups``: one ring per kv
+    head; ``replay``: checkpointing that replays the ring (``keep_ring_outputs=False``). ringseq runs through
     ``ringseq.initialize`` with ZeRO-1 (so DeepSpeed's reduce bucket counts), the unpatched model
     without DeepSpeed; ``tiled`` is ``tiled_mlp=True``, one tile per hidden_size local tokens."""
     from ringseq.patches.tiled_mlp import tiles_for
 
     kind, P, features = longest.parse_system(system)
-    if kind == "alst" or "replay" in features:
+    if kind == "alst":
         return None
     model = contenders.MODELS["bench"]
     tiles = tiles_for(True, N // P, model["hidden_size"]) if "tiled" in features else 1
     return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
                 zero_stage=0 if kind == "unpatched" else 1,
-                optimizer=kind != "unpatched", chunked_loss="loss" in features, checkpointing="ckpt" in features,
+                optimizer=kind != "unpatched", chunked_loss="loss" in features,
+                checkpointing="ckpt" in features or "replay" in features, keep_ring_outputs="replay" not in features,
                 tiled_mlp=tiles if tiles > 1 else None, offload="offload" in features, layout="zigzag", ulysses_size=1,
                 head_groups="kv" if "groups" in features else None)
 

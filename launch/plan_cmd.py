@@ -54,6 +54,9 @@ def add_parser(sub) -> None:
                    help="cost one forward (a prefill) instead of a training step (default: a training step)")
     p.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing; ringseq keeps the ring outputs (default: off)")
+    p.add_argument("--replay-ring", action="store_true",
+                   help="with --checkpointing: keep each layer's input alone and replay the ring in the recompute, "
+                        "as patch(keep_ring_outputs=False): less memory, one more ring forward per layer (default: off)")
     p.add_argument("--tiled-mlp", type=int, default=None, metavar="N",
                    help="compute each MLP in N sequence tiles, recomputed in backward (default: off)")
     p.add_argument("--offload", action="store_true", help="optimizer state in host memory (default: off)")
@@ -72,10 +75,12 @@ def add_parser(sub) -> None:
 def make_plan(args):
     import ringseq
 
+    if args.replay_ring and not args.checkpointing:
+        raise ringseq.RingSeqError("--replay-ring replays the ring in checkpointing's recompute: add --checkpointing")
     return ringseq.plan(model=args.model, seq_len=args.seq_len, gpus=args.gpus, gpus_per_node=args.gpus_per_node,
                         hardware=args.hardware, zero_stage=args.zero_stage, training=not args.inference,
                         layout=args.layout, sp_size=args.sp_size, checkpointing=args.checkpointing,
-                        tiled_mlp=args.tiled_mlp, offload=args.offload, intra_gbps=args.intra_gbps,
+                        keep_ring_outputs=not args.replay_ring, tiled_mlp=args.tiled_mlp, offload=args.offload, intra_gbps=args.intra_gbps,
                         inter_gbps=args.inter_gbps, tflops=args.tflops, head_groups=_head_groups(args.head_groups))
 
 

@@ -18,7 +18,11 @@ class Features:
     """Adam state and the gradient reduction (False: forward + backward only, as the CPU validation measures)."""
     checkpointing: bool = False
     """Gradient checkpointing of every layer; ringseq keeps the ring's output and log-sum-exp, so the
-    recompute never replays the ring."""
+    recompute never replays the ring (unless ``keep_ring_outputs`` is False)."""
+    keep_ring_outputs: bool = True
+    """Under checkpointing, ``ringseq.patch(keep_ring_outputs=)``: True keeps each layer's ring output
+    and log-sum-exp until backward; False keeps the layer input alone and the recompute replays the
+    ring (less memory, one more ring forward per layer)."""
     tiled_mlp: int | None = None
     """MLP computed in this many sequence tiles under checkpointing (``ringseq.patch(tiled_mlp=...)``)."""
     chunked_loss: bool = True
@@ -38,6 +42,11 @@ class Features:
         if self.head_groups in (None, 1):
             return 1
         return max(int(k), 1) if self.head_groups == "kv" else int(self.head_groups)
+
+    @property
+    def replays_ring(self) -> bool:
+        """The backward's recompute runs each layer's ring forward again."""
+        return self.training and self.checkpointing and not self.keep_ring_outputs
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):

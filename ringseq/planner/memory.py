@@ -64,8 +64,8 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, ho
     if ring:
         saved += m.H * (lse - b)
     kept = saved
-    if f.checkpointing:  # the layer input, and the ring output and log-sum-exp ringseq keeps
-        kept = m.d * b + (m.H * D * b + m.H * lse if ring else 0)
+    if f.checkpointing:  # the layer input, and the ring output and log-sum-exp ringseq keeps (unless it replays)
+        kept = m.d * b + (m.H * D * b + m.H * lse if ring and f.keep_ring_outputs else 0)
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
         # One ring for all heads by default; with head groups (``patch(head_groups=)``) g rings one

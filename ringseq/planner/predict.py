@@ -122,6 +122,11 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     ring = cost.ring_layer(m, hw, S, R, U, layout=layout, causal=causal, training=f.training, inter=crosses,
                            slowdown=slowdown, batch=f.micro_batch, groups=f.groups(max(m.K / U, 1)))
     a2a = cost.ulysses_layer(m, hw, s, U, training=f.training, inter=U > per_node, batch=f.micro_batch)
+    if f.replays_ring:  # the recompute runs the ring's forward (and its all-to-alls) once more
+        again = cost.ring_layer(m, hw, S, R, U, layout=layout, causal=causal, training=False, inter=crosses,
+                                slowdown=slowdown, batch=f.micro_batch, groups=f.groups(max(m.K / U, 1)))
+        ring = cost.RingTime(ring.time_s + again.time_s, ring.exposed_s + again.exposed_s, ring.ideal_s + again.ideal_s)
+        a2a += cost.ulysses_layer(m, hw, s, U, training=False, inter=U > per_node, batch=f.micro_batch)
     dense = cost.dense_layer(m, hw, s, f, slowdown)
     head = cost.head(m, hw, s, f, slowdown)
     collective, optimizer = cost.state_traffic(m, hw, f, G, inter=G > per_node)
@@ -259,7 +264,8 @@ def _recommend(modes: list[ModeEstimate], limit: float, chosen: int | None, fixe
 
 def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: str | Hardware = "h100",
          zero_stage: int = 3, training: bool = True, layout: str = "zigzag", sp_size: int | None = None,
-         ulysses_size: int | None = None, checkpointing: bool = False, tiled_mlp: int | None = None,
+         ulysses_size: int | None = None, checkpointing: bool = False, keep_ring_outputs: bool = True,
+         tiled_mlp: int | None = None,
          chunked_loss: bool = True, offload: bool = False, optimizer: bool = True, micro_batch: int = 1,
          intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None,
          head_groups: int | str | None = None) -> Plan:
@@ -271,13 +277,15 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
     ``fixes`` what would (the memory switches alone or together, more gpus).
     ``optimizer=False`` costs forward + backward alone (no Adam state, no gradient reduction).
     ``head_groups`` (``ringseq.patch``'s: None one ring for all heads, "kv" one per kv head, or n)
-    costs the rings each attention call runs: less memory per ring, more launches and latencies."""
+    costs the rings each attention call runs: less memory per ring, more launches and latencies.
+    ``keep_ring_outputs=False`` (with ``checkpointing``, ``ringseq.patch``'s) costs the recompute
+    that replays the ring: each layer keeps its input alone, and runs its ring forward once more."""
     m = model_spec(model)
     sp_size = gpus if sp_size is None else sp_size
     _check(seq_len, gpus, gpus_per_node, sp_size, layout)
     hw = get_hardware(hardware, intra_gbps=intra_gbps, inter_gbps=inter_gbps, tflops=tflops)
     f = Features(training=training, zero_stage=zero_stage, optimizer=optimizer, checkpointing=checkpointing,
-                 tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
+                 keep_ring_outputs=keep_ring_outputs, tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
                  head_groups=head_groups)
     sizes = ulysses_sizes(m, sp_size)
     if ulysses_size is not None and ulysses_size not in sizes:

@@ -85,6 +85,38 @@ def test_head_groups_trade_launches_and_latencies_for_the_ring_backwards_memory(
         ringseq.plan(model=LLAMA_8B, **CLUSTER, head_groups=0)
 
 
+def test_replaying_the_ring_keeps_the_layer_input_alone_and_runs_the_ring_forward_again(tmp_path, capsys):
+    """``keep_ring_outputs=False`` under checkpointing (``ringseq.patch``'s): each layer keeps its
+    input alone instead of its input, ring output and log-sum-exp, and the recompute runs the ring
+    forward once more; without checkpointing there is nothing to replay. (Measured against
+    longest.py's replay probes in test_planner_measured.py.)"""
+    bench = dict(model=dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
+                            num_attention_heads=8, num_key_value_heads=4), seq_len=24576, gpus=2, gpus_per_node=2,
+                 hardware="cpu", zero_stage=1, tiled_mlp=24)
+
+    def mode(**kw):
+        return ringseq.plan(**bench, **kw).modes[0]
+
+    keep, replay = mode(checkpointing=True), mode(checkpointing=True, keep_ring_outputs=False)
+    m, s = bench["model"], 24576 // 2
+    kept_gb = m["num_hidden_layers"] * s * m["num_attention_heads"] * (m["hidden_size"] // 8 * 4 + 8) / 2**30
+    assert keep.memory_gb["activations"] - replay.memory_gb["activations"] == pytest.approx(kept_gb, rel=1e-6)
+    once = ringseq.plan(**bench, checkpointing=True, training=False).modes[0].attention_s
+    assert replay.attention_s - keep.attention_s == pytest.approx(once, rel=1e-6)
+    assert mode(keep_ring_outputs=False) == mode()
+    from ringseq.launch.cli import main
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(bench["model"]))
+    args = ["plan", "--model", str(config), "--seq-len", "24576", "--gpus", "2", "--gpus-per-node", "2", "--hardware",
+            "cpu", "--zero-stage", "1", "--tiled-mlp", "24", "--json"]
+    assert main(args + ["--checkpointing", "--replay-ring"]) == 0
+    planned = ringseq.plan(**bench, checkpointing=True, keep_ring_outputs=False)
+    assert json.loads(capsys.readouterr().out)["memory_per_rank_gb"] == pytest.approx(planned.memory_per_rank_gb)
+    assert main(args + ["--replay-ring"]) == 2
+    assert "add --checkpointing" in capsys.readouterr().err
+
+
 def test_slower_links_expose_more_communication_and_faster_chips_need_longer_blocks():
     ring = dict(model=LLAMA_8B, seq_len=131072, gpus=64, gpus_per_node=8, ulysses_size=1)
     fast, slow = ringseq.plan(**ring), ringseq.plan(**ring, inter_gbps=2)

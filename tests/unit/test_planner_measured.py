@@ -54,8 +54,9 @@ def test_memory_against_model_memory_benchmark(rec):
 
 def test_the_longest_check_covers_p_2_and_4_and_the_memory_features():
     features = {f for r in LONGEST for f in r["system"].split(":")[2].split(",") if f}
-    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled"} <= features <= {
-        "loss", "ckpt", "tiled", "groups"}  # groups: one ring per kv head (patch(head_groups="kv"))
+    # groups: one ring per kv head (patch(head_groups="kv")); replay: checkpointing that replays the ring
+    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled", "replay"} <= features <= {
+        "loss", "ckpt", "tiled", "groups", "replay"}
     # points where activations, not the gradients' floor, set the peak, for each feature set
     systems = {r["system"] for r in LONGEST}
     floor = min(r["measured_mb"] for r in LONGEST if r["P"] > 1)
@@ -63,7 +64,8 @@ def test_the_longest_check_covers_p_2_and_4_and_the_memory_features():
     assert all(any(r["measured_mb"] > 1.05 * floor for r in LONGEST if r["system"] == s) for s in ringseq_systems)
     # what the planner does not cost is left out, not guessed
     assert planner_validate.longest_inputs("alst:2:", 4096) is None
-    assert planner_validate.longest_inputs("ringseq:2:loss,replay,tiled", 4096) is None
+    replay = planner_validate.longest_inputs("ringseq:2:loss,replay,tiled", 4096)
+    assert replay["checkpointing"] and not replay["keep_ring_outputs"]
 
 
 @pytest.mark.parametrize("rec", LONGEST, ids=lambda r: f"{r['system']}-N{r['N']}")
@@ -84,6 +86,31 @@ def test_predicted_longest_n_against_the_searched_one(row):
         assert row["predicted_N"] == pytest.approx(row["measured_N"], rel=0.10)
 
 
+SPEED = [r for r in map(json.loads, (DOCS / "longest.jsonl").read_text().splitlines()) if r["kind"] == "tokens_per_s"]
+
+
+@pytest.mark.parametrize("run", sorted({r["run"] for r in SPEED if "replay" in r["system"]}))
+def test_replaying_the_ring_costs_what_the_planner_says(run):
+    """The step time of checkpointing that replays the ring against keeping its outputs, at the
+    speed rows' N on the same run of longest.py: the planner's ratio (one more ring forward per
+    layer) within 0.07 of the measured one (these rows' own samples spread by about that much)."""
+    import ringseq
+
+    by = {r["system"]: r for r in SPEED if r["run"] == run}
+    pairs = [(s, s.replace("replay", "ckpt")) for s in by if "replay" in s and s.replace("replay", "ckpt") in by]
+    assert pairs, sorted(by)
+
+    def step_s(system, N):
+        p = ringseq.plan(**planner_validate.longest_inputs(system, N))
+        return next(e for e in p.modes if e.ulysses == p.recommendation.ulysses).step_time_s
+
+    for replay, keep in pairs:
+        N = by[replay]["N"]
+        measured = by[replay]["seconds"] / by[keep]["seconds"]
+        predicted = step_s(replay, N) / step_s(keep, N)
+        assert predicted > 1 and abs(predicted - measured) <= 0.07, (replay, predicted, measured)
+
+
 def test_the_longest_n_check_covers_the_memory_features():
     systems = {r["system"] for r in ROWS if not r["capped"]}
-    assert {"ringseq:2:loss", "ringseq:2:loss,ckpt,tiled", "unpatched:1:"} <= systems
+    assert {"ringseq:2:loss", "ringseq:2:loss,ckpt,tiled", "ringseq:2:loss,replay,tiled", "unpatched:1:"} <= systems
