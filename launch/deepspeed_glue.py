@@ -3,7 +3,7 @@
 DeepSpeed gets an mpu built from ringseq's topology (``sp.mpu``). With it, DeepSpeed 0.19.8
 ZeRO stages 0, 1 and 2 reduce gradients over the sequence x data group and divide by the
 data-parallel size: exactly ringseq's rule (sum over the sequence group, mean over replicas),
-checked against a single-process step by tests/integration/test_launch.py.
+checked against a single-process step by tests/integration/test_deepspeed.py.
 
 ZeRO-3 needs two corrections, both measured on DeepSpeed 0.19.8:
 

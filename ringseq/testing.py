@@ -131,10 +131,12 @@ def launcher_env(launcher, world: int) -> dict:
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import prepare_deepspeed_cmd_env, prepare_multi_gpu_env
 
-    # the port is only the launcher's own rendezvous (the pool's group and store keep theirs)
-    args = launch_command_parser().parse_args([*flags, "--num_processes", str(world), "--main_process_port",
-                                               str(free_port()), "script.py"])
+    # the port is only the launcher's own rendezvous (the pool's group and store keep theirs); a
+    # config file gives its own process count, which must be the pool's
+    count = [] if "--config_file" in flags else ["--num_processes", str(world)]
+    args = launch_command_parser().parse_args([*flags, *count, "--main_process_port", str(free_port()), "script.py"])
     args, defaults, mixed_from_config = _validate_launch_command(args)
+    assert args.num_processes == world, f"accelerate launch {' '.join(flags)} starts {args.num_processes} processes"
     if args.use_deepspeed:  # as accelerate's launch_command prepares it
         fields = list(defaults.deepspeed_config.keys()) if defaults else []
         args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mixed_from_config)
@@ -147,8 +149,10 @@ def launcher_env(launcher, world: int) -> dict:
 
 def _script_job(script: str, argv: list, launcher, env: dict, cwd: str | None, own_group: bool) -> str:
     """Run ``script``'s ``main()`` as its launcher would start it on this rank (its variables,
-    argv, working directory); returns what it printed. Process groups the case made are
-    destroyed after it (a fresh sequence-parallel group per case)."""
+    argv, working directory); returns what it printed to stdout (stderr stays the worker's: a log
+    handler a case makes must not keep a dead buffer). After a case that ended well on every rank,
+    the process groups it made are destroyed (a fresh sequence-parallel group per case); after a
+    failure the pool is closed anyway."""
     import contextlib
     import io
     import runpy
@@ -169,7 +173,7 @@ def _script_job(script: str, argv: list, launcher, env: dict, cwd: str | None, o
     before = set(c10d._world.pg_map) if dist.is_initialized() else set()
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+        with contextlib.redirect_stdout(printed):
             try:
                 runpy.run_path(script, run_name="__ringseq_case__")["main"]()
             except SystemExit as stop:
@@ -177,14 +181,28 @@ def _script_job(script: str, argv: list, launcher, env: dict, cwd: str | None, o
                     raise
     except BaseException as err:
         raise RuntimeError(f"{os.path.basename(script)} failed; what it printed:\n{printed.getvalue()[-4000:]}") from err
-    finally:
-        if dist.is_initialized():
-            for group in set(c10d._world.pg_map) - before:
-                if group is not c10d.GroupMember.WORLD:
-                    _real_destroy(group)
-            if not own_group:  # a one-process script's own world goes with it
-                _real_destroy()
+    if dist.is_initialized():
+        if own_group:
+            dist.barrier()  # every rank is done with the case's groups (bounded: the pool's timeout)
+        _drop_groups(set(c10d._world.pg_map) - before)
+        if not own_group:  # a one-process script's own world goes with it
+            _real_destroy()
     return printed.getvalue()
+
+
+def _drop_groups(groups) -> None:
+    """Destroy a case's process groups, and DeepSpeed's references to them (its data-parallel and
+    world groups, its mpu) so that no later case finds a destroyed group there."""
+    from torch.distributed import distributed_c10d as c10d
+
+    release = None
+    if "deepspeed.utils.groups" in sys.modules:
+        release = sys.modules["deepspeed.utils.groups"]._release_process_group_references
+    for group in groups:
+        if group is not c10d.GroupMember.WORLD:
+            if release is not None:
+                release(group)
+            _real_destroy(group)
 
 
 def process_context():
@@ -224,7 +242,7 @@ class DistPool:
         """Run ``script``'s ``main()`` on every rank as ``launcher`` would start it
         (``launcher_env``; ``"deepspeed"`` also passes ``--local_rank``), with ``env`` added;
         returns what the ranks printed, rank by rank. The script's imports stay warm for the next."""
-        assert self.group or launcher is None, "a pool without a group runs plain one-process scripts"
+        assert (launcher is None) == (not self.group), "a pool without a group runs plain scripts (launcher=None)"
         env = {**launcher_env(launcher, self.world_size), **(env or {})}
         return "".join(self.run(_script_job, str(script), [str(a) for a in argv], launcher, env,
                                 str(cwd) if cwd else None, self.group))
@@ -237,6 +255,8 @@ class DistPool:
         for q in self._jobs:
             q.put((fn, args, kwargs))
         waiting, out, failures = set(ranks), [None] * self.world_size, []
+        if len(waiting) < self.world_size:  # the others' late results would be read as the next case's
+            self._closed = True
         deadline = time.time() + self.timeout
         while waiting:
             try:

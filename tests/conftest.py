@@ -4,9 +4,15 @@ A test says the world it needs (``pool``: 1, 2 and 4; ``pool1``, ``pool2``, ``po
 and runs functions (``pool.run``) or launched scripts (``pool.run_script``) in it; a case that
 fails, hangs or kills a rank gets its pool rebuilt for the next test (``ringseq.testing.DistPool``).
 Launcher, process-death and SIGSTOP tests start their own processes (``tests/launched.py``)."""
+import os
+
 import pytest
 
 from ringseq.testing import DistPool
+
+# nothing is downloaded in a test; set before any pool starts (huggingface_hub reads them at import)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 _pools = {}
 

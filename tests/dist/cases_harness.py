@@ -1,6 +1,8 @@
 """Cases for tests/dist/test_harness.py: what a case may leave behind in a warm worker, and cases
 that fail, die or hang on one rank."""
 import os
+import sys
+import tempfile
 import time
 
 import torch
@@ -17,7 +19,14 @@ def leave_state() -> None:
     import ringseq
     from ringseq.testing import shared_init
 
+    from ringseq import peers
+
     os.environ[PROBE] = "left"
+    sys.argv.append("--left")
+    sys.path.insert(0, "/left")
+    os.chdir(tempfile.gettempdir())
+    torch.set_num_threads(2)
+    peers._silent_until = peers._linger_until = time.time() + 60
     torch.set_default_dtype(torch.float64)
     torch.manual_seed(1234)
     PartialState(cpu=True)
@@ -32,10 +41,13 @@ def state() -> dict:
     from accelerate.state import AcceleratorState, PartialState
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+    from ringseq import peers
+
     dist.barrier()  # the group still works
     return {"probe": os.environ.get(PROBE), "dtype": torch.get_default_dtype(), "draw": torch.rand(3).tolist(),
             "accelerate": bool(PartialState._shared_state or AcceleratorState._shared_state),
-            "zero3": is_deepspeed_zero3_enabled()}
+            "zero3": is_deepspeed_zero3_enabled(), "argv": list(sys.argv), "path": list(sys.path), "cwd": os.getcwd(),
+            "threads": torch.get_num_threads(), "clocks": (peers._silent_until, peers._linger_until)}
 
 
 def fail_on(rank: int) -> None:

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 NAMES = ["RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "CROSS_RANK", "CROSS_SIZE", "LOCAL_SIZE",
          "ACCELERATE_USE_DEEPSPEED", "ACCELERATE_DEEPSPEED_ZERO_STAGE", "ACCELERATE_MIXED_PRECISION",
-         "ACCELERATE_DYNAMO_BACKEND", "OMP_NUM_THREADS", "HARNESS"]
+         "ACCELERATE_DYNAMO_BACKEND", "OMP_NUM_THREADS", "TORCHELASTIC_USE_AGENT_STORE", "HARNESS"]
 
 
 def main():
@@ -22,7 +22,7 @@ def main():
     if "MASTER_ADDR" in os.environ and not dist.is_initialized():  # launched: join the launcher's group
         dist.init_process_group("gloo")
     rank = dist.get_rank() if dist.is_initialized() else None
-    seen = {"group": [rank, dist.get_world_size()] if dist.is_initialized() else None,
+    seen = {"group": [rank, dist.get_world_size()] if dist.is_initialized() else None, "argv": sys.argv[1:],
             "local_rank": args.local_rank, "cwd": os.getcwd(), "env": {n: os.environ.get(n) for n in NAMES}}
     with open(f"seen-{args.tag}-{rank}.json", "w") as f:
         json.dump(seen, f)

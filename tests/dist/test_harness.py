@@ -23,8 +23,9 @@ def test_a_case_starts_clean_whatever_the_last_one_left(pool):
     pool.run(cases.leave_state)
     after = pool.run(cases.state)
     assert after == fresh, (fresh, after)
-    assert fresh[0] == {"probe": None, "dtype": torch.float32, "draw": fresh[0]["draw"], "accelerate": False,
-                        "zero3": False}, fresh
+    assert {k: fresh[0][k] for k in ("probe", "dtype", "accelerate", "zero3", "threads", "clocks")} == {
+        "probe": None, "dtype": torch.float32, "accelerate": False, "zero3": False, "threads": 1,
+        "clocks": (0.0, 0.0)}, fresh
 
 
 @pytest.mark.parametrize("case,args,words", [(cases.fail_on, (1,), "ValueError: injected on rank 1"),
@@ -60,7 +61,10 @@ def seen(folder, tag):
 
 def test_scripts_see_what_the_launchers_give_them(pool2, plain, tmp_path):
     """The same script under the real deepspeed and ``accelerate launch`` and in the pool as each:
-    the same variables (but the port: the pool's group keeps its own), argv and working directory."""
+    the same variables, argv and working directory, but for two known differences: the port (the
+    pool's group keeps its own) and torch's elastic agent, which hosts the store under torchrun and
+    accelerate launch (rank 0 hosts the pool's; the agent's store under failure is tested with the
+    real launchers in test_launch.py's frozen-rank cases)."""
     flags = ("--use_deepspeed", "--zero_stage", "3")
     for launcher, real in [("deepspeed", deepspeed(2, SCRIPT, "--tag", "real")),
                            (("accelerate", *flags), accelerate(2, SCRIPT, *flags) + ["--tag", "real"])]:
@@ -71,12 +75,16 @@ def test_scripts_see_what_the_launchers_give_them(pool2, plain, tmp_path):
         assert len(want) == len(got) == 2, (want, got)
         for w, g in zip(want, got):
             assert w["env"].pop("MASTER_PORT") and g["env"].pop("MASTER_PORT") == str(pool2.port)
+            agent = w["env"].pop("TORCHELASTIC_USE_AGENT_STORE"), g["env"].pop("TORCHELASTIC_USE_AGENT_STORE")
+            assert agent == (None if launcher == "deepspeed" else "True", None), agent
+            local = ["--local_rank=" + str(w["group"][0])] * (launcher == "deepspeed")
+            assert (w.pop("argv"), g.pop("argv")) == ([*local, "--tag", "real"], [*local, "--tag", "pool"])
             assert w == g, (launcher, w, g)
         for f in tmp_path.glob("seen-*"):
             f.unlink()
     plain.run_script(SCRIPT, "--tag", "plain", launcher=None, cwd=tmp_path)
-    assert seen(tmp_path, "plain") == [{"group": None, "local_rank": None, "cwd": str(tmp_path),
-                                        "env": dict.fromkeys(harness_script.NAMES)}]
+    assert seen(tmp_path, "plain") == [{"group": None, "argv": ["--tag", "plain"], "local_rank": None,
+                                        "cwd": str(tmp_path), "env": dict.fromkeys(harness_script.NAMES)}]
     with pytest.raises(AssertionError, match=r"(?s)SystemExit: 3.*harness_script.py failed; what it printed:\n"
                                              r"script rank None wrote what it saw"):
         plain.run_script(SCRIPT, "--tag", "plain", "--exit", "3", launcher=None, cwd=tmp_path)

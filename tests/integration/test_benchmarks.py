@@ -75,7 +75,7 @@ def test_memory_terms_benchmark(tmp_path):
     assert (tmp_path / "memory_terms.jsonl").exists()
 
 
-@pytest.mark.slow  # two DeepSpeed process trees; the features it drives are tested in test_hf_models / test_launch
+@pytest.mark.slow  # two DeepSpeed process trees; the features it drives are tested in test_hf_models / test_deepspeed
 def test_longest_benchmark(tmp_path):
     """The search, the watchdog-free path and the plot at a toy size (ALST through DeepSpeed and
     ringseq with every memory feature): both fit the cap of 1024 tokens in a generous budget."""

@@ -6,7 +6,6 @@ from . import cases_batches, cases_hybrid, cases_memory, cases_parity
 from .hybrid_configs import CHUNK, HYBRIDS
 
 
-
 def per_rank(family: str) -> int:
     """Tokens per rank: two kernel chunks in each zigzag run at world 4 (delta rule: 64-token chunks)."""
     return 4 * CHUNK.get(family, 16)

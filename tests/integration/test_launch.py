@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.launched import ONE_THREAD, ROOT, ringseq_cmd
+from tests.launched import ONE_THREAD, ROOT, accelerate, ringseq_cmd, torchrun
 
 
 def test_demo_runs_and_the_curves_agree(tmp_path):
@@ -20,8 +20,8 @@ def test_demo_runs_and_the_curves_agree(tmp_path):
     assert (tmp_path / "demo.png").stat().st_size > 0
 
 
-# the deepspeed launcher runs its own examples in test_trainer.py and every ds_step launch above;
-# the command ringseq builds for it is checked in tests/unit/test_launch_command.py
+# the deepspeed launcher runs the Trainer example in test_trainer.py and a frozen rank below; the
+# command ringseq builds for it is checked in tests/unit/test_launch_command.py
 @pytest.mark.parametrize("launcher,example,done", [("torchrun", "torchrun_loop.py", "step 4"),
                                                    ("accelerate", "accelerate_loop.py", "step 3: loss")])
 def test_launch_runs_the_example(launcher, example, done):
@@ -31,21 +31,15 @@ def test_launch_runs_the_example(launcher, example, done):
 
 
 def test_init_under_torchrun_imports_no_training_library():
-    from ringseq.processes import free_port
-
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr",
-                          "127.0.0.1", "--master_port", str(free_port()), "tests/integration/core_only.py"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(torchrun(2, "tests/integration/core_only.py"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert run.returncode == 0 and run.stdout.count("core only") == 2, run.stdout[-2000:] + run.stderr[-3000:]
 
 
 def test_accelerate_without_multi_gpu_is_explained():
     """On CPU, accelerate launch without --multi_gpu starts one process: the error says so."""
-    from ringseq.processes import free_port
-
-    run = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2",
-                          "--main_process_port", str(free_port()), "examples/torchrun_loop.py"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
+    run = subprocess.run(accelerate(2, "examples/torchrun_loop.py"), cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "RINGSEQ_SP_SIZE": "2"})
     assert run.returncode != 0 and "world 1 is not data N x ring 2" in run.stderr, run.stderr[-3000:]
     assert "accelerate launch --multi_gpu --num_processes 2" in run.stderr, run.stderr[-3000:]
 

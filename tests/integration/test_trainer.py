@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launched import ROOT, accelerate, launched
+from tests.launched import ROOT, accelerate, deepspeed, launched
 
 HERE = Path(__file__).resolve().parent
 
@@ -20,7 +20,7 @@ def reported(text, expect, count):
 # ZeRO-1 goes through the same glue as ZeRO-2 here; tests/integration/ds_step.py steps all four stages.
 # The cases of one launch run one after another in one process group (a launch costs more than a case).
 # Data-parallel replicas under the Trainer: the DDP case at 4 processes below (DeepSpeed's own
-# dp2 reductions: test_launch.py's 4-process ds_step cases and the ZeRO-3 Accelerate step).
+# dp2 reductions: test_deepspeed.py's 4-process ds_step cases and the ZeRO-3 Accelerate step).
 def test_trainer_deepspeed_steps_equal_single_process(pool2):
     cases = ["stage=2,resume", "stage=3,resume,section,checkpointing", "stage=3,pretrained"]
     reported(pool2.run_script(HERE / "trainer_step.py", *cases, launcher="deepspeed"), "parameters match",
@@ -44,7 +44,7 @@ def test_trainer_under_accelerate_launch_with_the_shipped_config(pool2):
 
 # ZeRO-2 through Accelerate takes the same route into ringseq.initialize as ZeRO-3. ZeRO-3 at 2
 # processes (one sequence group): DeepSpeed's data-parallel reductions beside sequence groups are
-# stepped at 4 processes in test_launch.py's ds_step cases, the Trainer's at 4 under DDP above.
+# stepped at 4 processes in test_deepspeed.py's ds_step cases, the Trainer's at 4 under DDP above.
 @pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "3"], 2)])
 def test_accelerate_step_equals_single_process(pools, flags, nproc):
     reported(pools(nproc).run_script(HERE / "accelerate_step.py", launcher=("accelerate", *flags),
@@ -59,9 +59,11 @@ def test_accelerate_own_sp_size_is_refused():
     assert "step 0" not in out
 
 
-def test_trainer_deepspeed_example(pool2, tmp_path):
-    reported(pool2.run_script(ROOT / "examples/trainer_deepspeed.py", "--ds-config", "launch/configs/ds_zero3.json",
-                              "--out", tmp_path, launcher="deepspeed", cwd=ROOT), "done: 4 steps, sp 2", 1)
+# through the real deepspeed launcher, to the process's clean exit (the Trainer under DeepSpeed's steps are
+# checked in the pools above)
+def test_trainer_deepspeed_example(tmp_path):
+    launched(deepspeed(2, ROOT / "examples/trainer_deepspeed.py", "--ds-config", "launch/configs/ds_zero3.json",
+                       "--out", str(tmp_path)), "done: 4 steps, sp 2", 1)
 
 
 def ringseq_check(script, *args):

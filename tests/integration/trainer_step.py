@@ -1,4 +1,5 @@
-"""Run by a real launcher (deepspeed / torchrun / accelerate launch): ringseq.Trainer's optimizer
+"""Run as a launcher starts it (deepspeed / torchrun / accelerate launch; the tests run it in their
+warm pools with each launcher's variables, tests/conftest.py): ringseq.Trainer's optimizer
 steps must move every parameter exactly as single-process steps of the unpatched model on the
 same samples, with gradient accumulation, DeepSpeed ZeRO stages or DDP, uneven label counts
 (the loss is normalised by the step's tokens over all replicas) and clipping; evaluation must
