@@ -142,6 +142,10 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
     kwargs.pop("mpu", None)
     if model is not None and getattr(model, "_ringseq_patch", None) is None and hasattr(model, "config"):
         patch(model, sp=sp)
+    handle = getattr(model, "_ringseq_patch", None)
+    if handle is not None:  # what patch(fit=True) costs: the ZeRO stage's shards of gradients and weights
+        stage = ds_config.get("zero_optimization", {}).get("stage", 0)
+        handle.zero_stage = stage if isinstance(stage, int) and 0 <= stage <= 3 else 0
     ds_config = zero3_ready(model, sp, ds_config)
     engine, opt, loader, sched = ds_initialize(model=model, config=ds_config, mpu=sp.mpu, **kwargs)
     engine.ringseq = sp

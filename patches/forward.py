@@ -19,7 +19,7 @@ from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
-from . import checkpointing, logits as logit_maps, mixers, router_loss, vision
+from . import checkpointing, fit as fitting, logits as logit_maps, mixers, router_loss, vision
 from .generation import VLM_CACHE, cached_forward
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
@@ -97,6 +97,9 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)
     router = _router(self, handle, kwargs)
+    if handle.fit is not None and self.training and torch.is_grad_enabled():  # the switches for this length
+        rows = next(x for x in (input_ids, inputs_embeds) if x is not None)
+        fitting.before_step(self, handle, rows.shape[0], ringseq.padded_length if ringseq is not None else rows.shape[1])
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
         with mixers.patched_forward():

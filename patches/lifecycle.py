@@ -20,7 +20,7 @@ import torch
 from ringseq.errors import RingSeqError
 from ringseq.topology import check_sp
 
-from . import checkpointing, checks, mixers, router_loss, tiled_mlp as tiling, vision
+from . import checkpointing, checks, fit as fitting, mixers, router_loss, tiled_mlp as tiling, vision
 from .documents import isolates_documents
 from .forward import forward as _forward
 from .generation import generate as _generate
@@ -59,6 +59,10 @@ class PatchHandle:
     fused_head: dict = dataclasses.field(
         default_factory=lambda: {"temperature": 1.0, "cast_lm_head_to_fp32": False})
     """Options of TRL's fused LM head that the patched forward answers (``patches.fused_head.configure``)."""
+    fit: object = None
+    """``patches.fit.Fit`` when the planner sets the memory switches (``patch(fit=True)``), else None."""
+    zero_stage: int = 0
+    """DeepSpeed's ZeRO stage the model trains under (set by ``ringseq.initialize``): what fit costs."""
     vision: object = None
     """A vision-language model's plan (``patches.vision.VisionPlan``: the text sub-config whose attention is
     ringseq's, whether the images are shared among the ranks); None for a text model."""
@@ -72,7 +76,7 @@ class PatchHandle:
 
 
 def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True,
-          split_vision: bool = False, head_groups=None):
+          split_vision: bool = False, head_groups=None, fit: bool = False, memory_budget=None):
     """Patch ``model`` (a transformers causal LM) for sequence parallelism over ``sp``.
 
     Afterwards ``model(**full_batch)``, called with the same full batch on every rank of the
@@ -101,6 +105,10 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     LLaVA) runs its vision tower, the merge of image features and its (3-D) positions on the full
     batch and its language model on the ring (``patches.vision``); ``split_vision=True`` has each
     rank encode a share of the images, all-gathered before the merge.
+    ``fit=True`` has the planner choose the memory switches (the chunked loss, checkpointing that
+    keeps or replays the ring, tiled MLPs, head groups, offload on a GPU) before each training
+    step of a new length: the fastest set whose predicted step memory fits ``memory_budget`` bytes
+    per rank (None: the device's free memory at the first step less a margin; ``patches.fit``).
     """
     check_sp(sp)
     tiling.check(tiled_mlp)
@@ -113,8 +121,14 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         raise RingSeqError("recurrent layers (linear attention, state-space, short convolutions) run a sequence in "
                            "order: the striped layout gives every rank every P-th token, so no rank holds a run of "
                            "them. Use layout='zigzag' (default) or 'contiguous'")
+    if fit:
+        fitting.check(model, chunked_loss, tiled_mlp, keep_ring_outputs, head_groups, memory_budget, split_vision)
+    elif memory_budget is not None:
+        raise RingSeqError("memory_budget is the budget fit plans for: pass fit=True with it (or drop it)")
     plan = vision.plan(model, split_vision)
     if handle is not None:
+        if handle.fit is not None and not (fit and handle.fit.memory_budget == memory_budget):
+            fitting.remove(model, handle)
         handle.sp, handle.chunked_loss, handle.keep_ring_outputs = sp, chunked_loss, bool(keep_ring_outputs)
         handle.head_groups = head_groups
         handle.vision = plan
@@ -127,6 +141,8 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
             model.forward = types.MethodType(_forward, model)
         if getattr(vars(model).get("generate"), "__func__", None) is not _generate:
             model.generate = types.MethodType(_generate, model)
+        if fit and handle.fit is None:
+            fitting.install(model, handle, memory_budget)
         return model
     checks.check(model)
     if tiled_mlp is not None:
@@ -153,6 +169,8 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
         tiling.install(model, tiled_mlp)
         handle.tiled_mlp = tiled_mlp
     checkpointing.watch_offload(_transformers_model(model), handle)
+    if fit:
+        fitting.install(model, handle, memory_budget)
     return model
 
 
@@ -172,6 +190,8 @@ def options(model) -> dict:
     handle = getattr(model, "_ringseq_patch", None)
     if handle is None:
         return {}
+    if handle.fit is not None:  # fit chooses the switches; the Trainers' re-patching keeps it and its budget
+        return {"fit": True, "memory_budget": handle.fit.memory_budget}
     chosen = {"chunked_loss": handle.chunked_loss, "tiled_mlp": handle.tiled_mlp,
               "keep_ring_outputs": handle.keep_ring_outputs, "head_groups": handle.head_groups}
     if handle.vision is not None:  # a VLM keeps its vision split through the Trainers' re-patching
@@ -185,6 +205,8 @@ def unpatch(model):
     if handle is None:
         return model
     vision.set_attention(model, handle.previous_attn_implementation)
+    if handle.fit is not None:
+        fitting.remove(model, handle)
     mixers.uninstall(handle)
     tiling.uninstall(model)
     checkpointing.unwrap(_transformers_model(model))

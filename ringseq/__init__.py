@@ -43,13 +43,14 @@ def __getattr__(name):
 
 
 def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_outputs: bool = True,
-          split_vision: bool = False, head_groups=None):
+          split_vision: bool = False, head_groups=None, fit: bool = False, memory_budget=None):
     """Patch a transformers causal LM or vision-language model for sequence parallelism (see
-    ``ringseq.patches``)."""
+    ``ringseq.patches``); ``fit=True``: the planner picks the memory switches for each length
+    (``ringseq.patches.fit``)."""
     from .patches.lifecycle import patch as _patch
 
     return _patch(model, sp=sp, chunked_loss=chunked_loss, tiled_mlp=tiled_mlp, keep_ring_outputs=keep_ring_outputs,
-                  split_vision=split_vision, head_groups=head_groups)
+                  split_vision=split_vision, head_groups=head_groups, fit=fit, memory_budget=memory_budget)
 
 
 def initialize(*, sp=None, model=None, config=None, model_parameters=None, optimizer=None, **kwargs):

@@ -17,6 +17,7 @@ from __future__ import annotations
 from . import lockstep
 from .attention.kernels import flash_impl
 from .ledger import ledger
+from .planner import fit
 from .topology import check_sp
 
 
@@ -41,7 +42,11 @@ def stats(*, sp, reset: bool = False) -> dict:
     ranks waited on average beyond the slowest rank's own waits, "work_max_over_mean": the busiest
     rank's attention work over the mean, "kernels": {"block_calls": this rank's block kernel calls by
     backend, "flash": which flash implementation the GPU's flash ops run and why (FA2 or FA3:
-    ``ringseq.attention.kernels.flash_impl``)}}``. ``attention_pairs`` is the visible query-key pairs of a
+    ``ringseq.attention.kernels.flash_impl``)}, "fit": the last choice of ``patch(fit=True)`` (None
+    without one: ``switches``, ``described``, ``length``, ``batch``, ``bucket`` (the length planned
+    at), ``predicted_peak_bytes`` (step memory), ``budget_bytes``, ``measured_peak_bytes`` (on CUDA
+    the peak allocated since that step's forward began, above what was allocated then; None on
+    CPU), ``predicted_step_s``, ``replans``, ``planning_s``)}``. ``attention_pairs`` is the visible query-key pairs of a
     full-attention layer that the rank's queries had in the batches sharded in the period, counted
     from the full batches (``ringseq.attention.work``; under Ulysses a ring rank's pairs split over
     its U ranks): imbalance in one's own data, whatever the clocks say. ``reset=True`` starts a new
@@ -66,4 +71,20 @@ def stats(*, sp, reset: bool = False) -> dict:
         st.baseline, st.work, st.block_calls_base = now, None, calls
     return {"ranks": ranks, "slowest_rank": slowest, "wait_for_slowest_s": waited,
             "work_max_over_mean": max(pairs) / mean if mean else 1.0,
-            "kernels": {"block_calls": {k: n for k, n in since.items() if n}, "flash": flash_impl.describe()}}
+            "kernels": {"block_calls": {k: n for k, n in since.items() if n}, "flash": flash_impl.describe()},
+            "fit": _fit(sp)}
+
+
+def _fit(sp) -> dict | None:
+    """The last choice of ``patch(fit=True)`` on this group (None: none yet), with the peak the
+    device measured since that step's forward began, where it reports one (CUDA)."""
+    report = fit.reports.get(sp.ranks)
+    if report is None:
+        return None
+    report = dict(report)
+    if sp.ranks in fit.peaks:
+        import torch
+
+        device, start = fit.peaks[sp.ranks]
+        report["measured_peak_bytes"] = int(torch.cuda.max_memory_allocated(device) - start)
+    return report

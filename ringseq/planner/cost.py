@@ -169,10 +169,13 @@ def ulysses_layer(m: ModelSpec, hw: Hardware, s: float, U: int, *, training: boo
 
 def dense_layer(m: ModelSpec, hw: Hardware, s: float, f: Features, slowdown: float = 1.0) -> float:
     """Projections and MLP (matmuls) plus elementwise work (norms, RoPE, SiLU: each kept
-    activation written and read in the forward, read and its gradient written/read in backward)."""
+    activation written and read in the forward, read and its gradient written/read in backward);
+    a tiled MLP runs its forward once more in backward."""
     fwd = 2 * m.layer_params * s * f.micro_batch / (hw.peak_tflops * 1e12 * hw.gemm_efficiency)
     passes = 5 if f.training else 2
     matmul = fwd * ((3 + (1 if f.checkpointing else 0)) if f.training else 1)
+    if f.training and f.tiled_mlp:  # DeepSpeed's TiledMLP recomputes the MLP's forward in its backward
+        matmul += 2 * 3 * m.d * m.F * s * f.micro_batch / (hw.peak_tflops * 1e12 * hw.gemm_efficiency)
     if f.checkpointing:
         passes += 2
     elementwise = layer_elements(m) * s * f.micro_batch * hw.bytes * passes / (hw.hbm_gbps * 1e9)

@@ -30,6 +30,10 @@ class Features:
     whole shard."""
     offload: bool = False
     """Optimizer state (and with ZeRO-3 the weights) offloaded to host memory."""
+    offload_activations: bool = False
+    """Under checkpointing, the kept tensors (each layer's input and ring outputs) moved to host
+    memory until backward (``gradient_checkpointing_enable(offload=True)`` after ``ringseq.patch``):
+    they leave device memory, at the cost of copying them out and back over the host link."""
     micro_batch: int = 1
     """Sequences per step and rank group."""
     head_groups: int | str | None = None

@@ -53,6 +53,8 @@ class _Layer:
     saved: float
     kept: float
     workspace: float
+    offloaded: float = 0.0
+    """Bytes per token of the kept tensors held in host memory instead (``offload_activations``)."""
 
 
 def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, host: bool) -> _Layer:
@@ -66,6 +68,9 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, ho
     kept = saved
     if f.checkpointing:  # the layer input, and the ring output and log-sum-exp ringseq keeps (unless it replays)
         kept = m.d * b + (m.H * D * b + m.H * lse if ring and f.keep_ring_outputs else 0)
+    offloaded = 0.0
+    if f.checkpointing and f.offload_activations:  # the kept tensors wait in host memory
+        kept, offloaded = 0.0, kept
     per_chunk = c / s  # the ring works on c tokens (Ulysses: all of them, for h heads)
     if ring:
         # One ring for all heads by default; with head groups (``patch(head_groups=)``) g rings one
@@ -96,7 +101,13 @@ def _layer(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, ho
     mlp = (6 * m.F / tiles + m.d) * b if f.tiled_mlp else 2 * m.F * b
     attn -= mlp_saved + (3 * m.d + 1) * b
     workspace = max(attn, mlp) + 2 * m.d * b  # + the residual stream's gradient, twice
-    return _Layer(saved=saved, kept=kept, workspace=workspace)
+    return _Layer(saved=saved, kept=kept, workspace=workspace, offloaded=offloaded)
+
+
+def offloaded_bytes(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R: int, host: bool = False) -> float:
+    """Bytes a training step copies to host memory and back (``offload_activations``): every
+    layer's kept tensors, once each way."""
+    return m.L * _layer(m, f, b, s, c, U, R, host).offloaded * s * f.micro_batch
 
 
 def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
@@ -135,7 +146,7 @@ def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: in
     else:
         loss = rows * m.V * (b + upcast + 8) * B
     loss_grads = head_grad if f.chunked_loss and s > rows and f.zero_stage == 3 else 0.0
-    rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B
+    rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B  # offloaded: the layer's own brought back
     work = ly.workspace * s * B
     phases = dict(
         loss=dict(grads=loss_grads, activations=kept_layers + 3 * m.d * b * s * B, transient=loss),  # + final norm

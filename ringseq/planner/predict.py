@@ -141,6 +141,9 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
                          "sent_gb_per_rank": m.recurrent.layers * t.sent_bytes / 2**30, "possible": t.possible}
     rec = ways.get("state", {"time_s": 0.0, "exposed_s": 0.0, "ideal_s": 0.0})
     compute = La * (ring.time_s + a2a) + rec["time_s"] + m.L * dense + head + optimizer
+    if f.training and f.checkpointing and f.offload_activations:  # out to the host and back, not overlapped
+        compute += 2 * memory.offloaded_bytes(m, f, hw.bytes, int(s), int(S / R), U, R, host=hw.name == "cpu") / (
+            hw.pcie_gbps * 1e9)
     step = max(compute, collective + optimizer)
     ideal = La * ring.ideal_s + rec["ideal_s"] + m.L * dense + head + optimizer
     exposed = La * (ring.exposed_s + a2a) + rec["exposed_s"] + max(0.0, collective + optimizer - compute)
@@ -268,7 +271,7 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
          tiled_mlp: int | None = None,
          chunked_loss: bool = True, offload: bool = False, optimizer: bool = True, micro_batch: int = 1,
          intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None,
-         head_groups: int | str | None = None) -> Plan:
+         head_groups: int | str | None = None, offload_activations: bool = False) -> Plan:
     """Predict per-rank memory and step time of fine-tuning ``model`` (a transformers config, a
     dict of its fields or a path to config.json) on sequences of ``seq_len`` tokens over ``gpus``
     devices (``gpus_per_node`` per node), one sequence group of ``sp_size`` ranks (default: all)
@@ -279,14 +282,16 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
     ``head_groups`` (``ringseq.patch``'s: None one ring for all heads, "kv" one per kv head, or n)
     costs the rings each attention call runs: less memory per ring, more launches and latencies.
     ``keep_ring_outputs=False`` (with ``checkpointing``, ``ringseq.patch``'s) costs the recompute
-    that replays the ring: each layer keeps its input alone, and runs its ring forward once more."""
+    that replays the ring: each layer keeps its input alone, and runs its ring forward once more.
+    ``offload_activations=True`` (with ``checkpointing``) costs the kept tensors in host memory:
+    off the device, copied out and back over the host link (``pcie_gbps``) each step."""
     m = model_spec(model)
     sp_size = gpus if sp_size is None else sp_size
     _check(seq_len, gpus, gpus_per_node, sp_size, layout)
     hw = get_hardware(hardware, intra_gbps=intra_gbps, inter_gbps=inter_gbps, tflops=tflops)
     f = Features(training=training, zero_stage=zero_stage, optimizer=optimizer, checkpointing=checkpointing,
                  keep_ring_outputs=keep_ring_outputs, tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
-                 head_groups=head_groups)
+                 head_groups=head_groups, offload_activations=offload_activations)
     sizes = ulysses_sizes(m, sp_size)
     if ulysses_size is not None and ulysses_size not in sizes:
         raise RingSeqError(f"ulysses_size {ulysses_size} cannot split this model over sp_size {sp_size} "

@@ -22,7 +22,7 @@ def reported(text, expect, count):
 # Data-parallel replicas under the Trainer: the DDP case at 4 processes below (DeepSpeed's own
 # dp2 reductions: test_deepspeed.py's 4-process ds_step cases and the ZeRO-3 Accelerate step).
 def test_trainer_deepspeed_steps_equal_single_process(pool2):
-    cases = ["stage=2,resume", "stage=3,resume,section,checkpointing", "stage=3,pretrained"]
+    cases = ["stage=2,resume", "stage=3,resume,section,checkpointing", "stage=3,pretrained", "stage=2,fit"]
     reported(pool2.run_script(HERE / "trainer_step.py", *cases, launcher="deepspeed"), "parameters match",
              2 * (len(cases) + 2))
 

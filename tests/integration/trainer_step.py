@@ -7,6 +7,7 @@ give the single-process loss; resuming from a checkpoint must end where the unin
 ends. Every rank asserts.
 """
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -141,6 +142,13 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
     if case.pretrained:
         ringseq.join_deepspeed()
     model = LlamaForCausalLM.from_pretrained(case.pretrained) if case.pretrained else MODELS[case.hybrid]()
+    if case.fit:  # patch(fit=True) under a budget that only the planner's leanest set of switches fits
+        from ringseq.patches import fit as fitting
+        from ringseq.planner import fit as planner_fit
+
+        ringseq.patch(model, sp=sp, fit=True)
+        setting = dataclasses.replace(fitting._setting(model, model._ringseq_patch), zero_stage=case.stage or 0)
+        ringseq.patch(model, sp=sp, fit=True, memory_budget=planner_fit.least(setting, S, 1).predicted_peak_bytes)
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            sp=None if case.section else sp)
@@ -164,13 +172,13 @@ def stock_trainer_is_refused(sp, train):
         raise AssertionError("a stock Trainer trained a patched model on different batches per rank")
 
 
-CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid"}
+CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid", "fit"}
 
 
 def parse_case(text: str, sp_size: int, gas: int) -> argparse.Namespace:
     """``stage=3,resume,section`` -> a namespace with every case key (absent: None / False)."""
     case = argparse.Namespace(stage=None, section=False, resume=False, pretrained=False, checkpointing=False,
-                              hybrid=False, sp=sp_size, gas=gas)
+                              hybrid=False, fit=False, sp=sp_size, gas=gas)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in CASE_KEYS:
@@ -196,6 +204,12 @@ def run_case(case, sp, out_dir: str) -> None:
     assert seen == steps * case.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * case.gas * dp * S}"
 
     what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage}{' hybrid' if case.hybrid else ''}"
+    if case.fit:  # the Trainer kept fit through its re-patching; fit costed DeepSpeed's stage
+        model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+        assert model._ringseq_patch.zero_stage == (case.stage or 0), what
+        chosen = ringseq.stats(sp=sp)["fit"]
+        assert chosen["switches"]["checkpointing"] and chosen["replans"] == 1, (what, chosen)
+        what += f" fit ({chosen['described']})"
     build = MODELS[case.hybrid]
     plain = reference_steps(build(), train, case.gas * dp, steps)
     exact = reference_steps(build().double(), train, case.gas * dp, steps)

@@ -1,0 +1,118 @@
+"""``patch(fit=True)``: the planner's switches, per length, exact against the unpatched model."""
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.patches import fit as fitting
+from ringseq.patches.lifecycle import options
+from ringseq.planner import fit as planner_fit
+from ringseq.testing import shared_init
+
+from .hf_models import check_against, make_batch, references
+
+SHORT, LONG = 16, 128  # tokens per rank: the long shard is two MLP tiles of hidden_size 64
+
+
+def _budget(model, B: int, short: int, long: int) -> int:
+    """A budget no set without checkpointing fits at the long length, that the short one fits
+    without checkpointing, and that some checkpointed set fits at the long one (from the planner)."""
+    setting = fitting._setting(model, model._ringseq_patch)
+    plain = lambda S: min(c.predicted_peak_bytes for c in planner_fit.costed(setting, S, B)  # noqa: E731
+                          if not c.switches.checkpointing)
+    budget = plain(long) - 1
+    assert plain(short) <= budget, (plain(short), budget)
+    assert planner_fit.least(setting, long, B).predicted_peak_bytes <= budget
+    return budget
+
+
+def _step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def fit_per_length(family="llama"):
+    """One model fitted at a short and a long length: the short one trains without checkpointing,
+    the long one with it (the budget says so), both exact; the short length again re-plans nothing;
+    stats reports each choice; unpatch restores the layers' checkpointing as it was."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    B = 2
+    batches = {n: make_batch(B, n * world, "plain", seed=n) for n in (SHORT, LONG)}
+    refs = {n: references(family, b) for n, b in batches.items()}
+    base = refs[SHORT][0]
+    model = ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, memory_budget=1)
+    budget = _budget(model, B, SHORT * world, LONG * world)
+    model = ringseq.patch(model, sp=sp, fit=True, memory_budget=budget)  # a new budget: plans afresh
+    assert options(model) == {"fit": True, "memory_budget": budget}
+    model.train()
+    where = f"{family} fit rank {sp.rank}/{world}"
+    seen = {}
+    for n in (SHORT, LONG, SHORT):
+        loss, grads = _step(model, batches[n])
+        check_against(refs[n][1], loss, grads, sp, f"{where} S={n * world}")
+        report = ringseq.stats(sp=sp)["fit"]
+        assert report["length"] == n * world and report["budget_bytes"] == budget, (where, report)
+        assert report["predicted_peak_bytes"] <= budget and report["measured_peak_bytes"] is None, (where, report)
+        seen.setdefault(n, report["switches"])
+        assert report["switches"] == seen[n], (where, n, report)
+    assert not seen[SHORT]["checkpointing"] and seen[LONG]["checkpointing"], (where, seen)
+    assert report["replans"] == 2, (where, report)
+    layers = fitting._layers(model)
+    assert all("_gradient_checkpointing_func" in vars(layer) for layer in layers), where  # enabled for the long one
+    assert layers and not any(layer.gradient_checkpointing for layer in layers), where  # off again for the short one
+    again = ringseq.patch(model, sp=sp, **options(model))  # a Trainer's re-patching keeps fit and its choices
+    assert again._ringseq_patch.fit.replans == 2, where
+    setting = fitting._setting(model, model._ringseq_patch)
+    tight = planner_fit.least(setting, LONG * world, B)  # at its least memory, only the leanest set fits
+    assert tight.switches.tiled_mlp and (world == 1 or not tight.switches.keep_ring_outputs), (where, tight)
+    model = ringseq.patch(model, sp=sp, fit=True, memory_budget=tight.predicted_peak_bytes)
+    loss, grads = _step(model, batches[LONG])
+    check_against(refs[LONG][1], loss, grads, sp, f"{where} S={LONG * world} tight")
+    assert ringseq.stats(sp=sp)["fit"]["switches"] == dataclasses.asdict(tight.switches), where
+    assert all(mlp._ringseq_tiles is True for mlp in fitting.tiling.mlps(model)), where
+    ringseq.unpatch(model)
+    assert not any("_gradient_checkpointing_func" in vars(m) or getattr(m, "gradient_checkpointing", False)
+                   for m in model.modules()), where
+    assert not any("_ringseq_tiles" in vars(m) for m in model.modules()), where
+
+
+def fit_refuses_what_it_cannot_fit(family="llama"):
+    """A budget no set fits is refused on every rank before the step, naming the longest length
+    that fits; switches set by hand beside fit=True, a bad budget and MoE MLPs are refused."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    batch = make_batch(1, LONG * world, "plain")
+    base = references(family, batch)[0]
+    model = ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, memory_budget=1)
+    setting = fitting._setting(model, model._ringseq_patch)
+    budget = planner_fit.least(setting, SHORT * world, 1).predicted_peak_bytes  # the short length, at the least
+    model = ringseq.patch(model, sp=sp, fit=True, memory_budget=budget)
+    model.train()
+    with pytest.raises(ringseq.RingSeqError, match="no set of memory switches fits a step of 1 x") as err:
+        model(**batch)
+    longest = planner_fit.longest(setting, 1, budget, LONG * world)
+    assert SHORT * world <= longest < LONG * world, (longest, str(err.value))
+    assert f"The longest length that fits is {longest} tokens" in str(err.value), str(err.value)
+    assert planner_fit.least(setting, longest + planner_fit.grain(setting), 1).predicted_peak_bytes > budget
+    with pytest.raises(ringseq.RingSeqError, match="fit=True chooses tiled_mlp, head_groups itself"):
+        ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, tiled_mlp=2, head_groups="kv")
+    for bad in (0, -5, True, "1GB"):
+        with pytest.raises(ringseq.RingSeqError, match="memory_budget is bytes"):
+            ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, memory_budget=bad)
+    with pytest.raises(ringseq.RingSeqError, match="pass fit=True with it"):
+        ringseq.patch(copy.deepcopy(base), sp=sp, memory_budget=10**9)
+    from .hf_models import tiny_model
+
+    moe = tiny_model("gpt_oss")
+    with pytest.raises(ringseq.RingSeqError, match="mixture-of-experts"):
+        ringseq.patch(moe, sp=sp, fit=True)
+    assert not hasattr(moe, "_ringseq_patch")
+    with torch.no_grad():  # evaluation runs with whatever the last step chose: no plan, no refusal
+        model.eval()
+        assert model(**make_batch(1, SHORT * world, "plain")).loss is not None

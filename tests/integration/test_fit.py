@@ -1,0 +1,11 @@
+"""``patch(fit=True)`` at world sizes 1, 2 and 4 (``cases_fit``)."""
+from . import cases_fit
+
+
+def test_fit_chooses_per_length_and_stays_exact(pool):
+    pool.run(cases_fit.fit_per_length)
+
+
+def test_fit_refuses_a_length_no_set_fits(pool2, pool4):
+    pool2.run(cases_fit.fit_refuses_what_it_cannot_fit)
+    pool4.run(cases_fit.fit_refuses_what_it_cannot_fit)
