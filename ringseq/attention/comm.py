@@ -113,11 +113,18 @@ class RingComm:
         ops = [dist.P2POp(dist.isend, p, to, self.group, tag) for p in parts]
         ops += [dist.P2POp(dist.irecv, p, frm, self.group, tag) for p in pieces]
         since = time.time()
-        try:
-            works = dist.batch_isend_irecv(ops)
-        except RuntimeError as exc:
-            what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
-            raise lockstep.transport_error(self.sp, what, to, exc, since) from exc
+        # NCCL coalesces the hop into one group call; gloo (CPU tensors) posts each op on its own anyway, so
+        # its sends and receives are posted apart: a post that fails names the peer whose connection closed
+        # (a dead predecessor fails the receive while the send to a healthy successor posts)
+        batches = [ops] if self.device.type != "cpu" else [ops[:len(parts)], ops[len(parts):]]
+        works = []
+        for batch in batches:
+            try:
+                works += dist.batch_isend_irecv(batch)
+            except RuntimeError as exc:
+                peer = frm if batch[0].op is dist.irecv else to
+                what = f"posting ring step {step + 1} of {self.label} (to global rank {to}, from global rank {frm})"
+                raise lockstep.transport_error(self.sp, what, peer, exc, since) from exc
         return Transfer(self, works, flat, parts, step, [to] * len(parts) + [frm] * len(pieces))
 
     def buffer(self, kind: str, numel: int, dtype) -> torch.Tensor:

@@ -261,6 +261,27 @@ def dead_peer(victim: int = 1):
     return time.perf_counter() - start, text
 
 
+def dead_predecessor_is_named(victim: int = 2, slow: int = 0, delay: float = 2.0):
+    """A ring of 4 whose ``victim`` is dead before its successor posts its first hop, while the
+    rank that successor sends to (``slow``) is healthy but still busy (no note of its own yet): the
+    successor's receive fails to post, and its error names the dead predecessor, not the slow rank."""
+    sp = shared_init(sp_size=dist.get_world_size(), timeout=60)
+    (q, k, v), _ = _inputs(sp)
+    post = ring.RingComm.post
+
+    def late(self, *args, **kwargs):  # inside the call, after its agreement: the victim dies at its first hop
+        if sp.rank == victim:
+            os._exit(3)
+        time.sleep(delay if sp.rank == slow else 0.5)  # the victim is gone before the others post
+        return post(self, *args, **kwargs)
+
+    ring.RingComm.post = late
+    text = _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), "ring step 1 of ring_attention",
+                   f"global rank {victim} failed or exited")
+    assert f"global rank {slow} failed" not in text, text
+    return text
+
+
 def straggler_is_named(delay: float = 0.25, calls: int = 4):
     """One rank made slow by a sleep before each call is the slowest rank, and the others'
     wait for it is the injected delay within 20%, every call's (the last one's too, with no

@@ -106,6 +106,18 @@ def test_a_dead_peer_is_a_ringseq_error_at_once():
     assert seconds < 5, (seconds, message)
 
 
+def test_a_dead_predecessor_is_named_not_the_busy_successor():
+    """Rank 3 receives from the dead rank 2 and sends to rank 0, which is still busy: the hop's
+    receive is the post that fails, so rank 3 names rank 2 (a post of the send and the receive
+    together would name the rank it sends to)."""
+    pool = DistPool(4, timeout=60)
+    try:
+        results = pool.run_expecting([1, 3], cases.dead_predecessor_is_named)
+    finally:
+        pool.close(force=True)
+    assert "posting ring step 1" in results[3], results
+
+
 def test_the_straggler_is_named(pool):
     pool.run(cases.straggler_is_named)
 
