@@ -1,6 +1,6 @@
 """The contenders of ``benchmarks/longest.py``: one training step of a Llama (or, with
 ``--model hybrid``, a Qwen3.5-style hybrid: three gated DeltaNet layers and one attention layer),
-unpatched, with ringseq, or with DeepSpeed ALST as its HF integration and ArcticTraining use it
+unpatched, with ringseq (the switches set by hand, or by ``patch(fit=True)``), or with DeepSpeed ALST as its HF integration and ArcticTraining use it
 (each a class with ``forward_backward(N)`` and ``optimizer_step()``, built inside a rank of a
 process tree). ALST shards attention layers only; it has no hybrid contender."""
 from __future__ import annotations
@@ -15,6 +15,8 @@ from ringseq.loss import slab_tokens
 
 MODELS = {"bench": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
                         num_attention_heads=8, num_key_value_heads=4),
+          "small": dict(vocab_size=2048, hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=2),  # fit_mixed.py --model small
           "tiny": dict(vocab_size=512, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=4),  # for the suite: the machinery, not figures
           "hybrid": dict(vocab_size=32000, hidden_size=512, intermediate_size=2048, num_hidden_layers=4,
@@ -67,7 +69,14 @@ class Ringseq:
         import ringseq
 
         sp = ringseq.init(sp_size=P)
+        self.sp = sp
         model = build_model()
+        if "fit" in features:  # the planner picks every switch for each length, under longest.py's budget
+            model.train()
+            ringseq.patch(model, sp=sp, fit=True, memory_budget=float(os.environ["RINGSEQ_LONGEST_BUDGET_MB"]) * 2**20)
+            self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=DS_CONFIG,
+                                                 optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
+            return
         if "ckpt" in features or "replay" in features:
             kwargs = {"offload": True} if "offload" in features else {}
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False}, **kwargs)
@@ -85,6 +94,12 @@ class Ringseq:
 
     def optimizer_step(self):
         self.engine.step()
+
+    def fit_report(self) -> dict | None:
+        """``ringseq.stats(sp=sp)["fit"]``: the switches fit chose for the last step (None without fit)."""
+        import ringseq
+
+        return ringseq.stats(sp=self.sp)["fit"]
 
 
 class Alst:

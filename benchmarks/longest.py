@@ -14,7 +14,11 @@ Systems (one fresh process tree each, gloo, one SGD step = forward + backward + 
   ``ckpt`` (checkpointing that keeps ring outputs), ``replay`` (checkpointing whose recompute
   replays the ring: ``keep_ring_outputs=False``), ``tiled`` (tiled MLP), ``offload`` (checkpointed
   activations in host memory: on CPU a copy that saves nothing), ``groups`` (one ring per kv head:
-  ``patch(head_groups="kv")``; without it one ring for all heads, the default).
+  ``patch(head_groups="kv")``; without it one ring for all heads, the default); or ``fit``
+  (``patch(fit=True, memory_budget=`` the budget ``)``: the planner picks the switches for each N;
+  a probe it refuses, before the step, counts as not fitting, and a probe records what it chose
+  and its predicted step memory at N beside the measured one; its search is ``fit_search``, since
+  its step memory falls where it turns a switch on).
 
 The model is a Llama of 4 layers, d=512, MLP 2048, 8 q / 4 kv heads, vocab 32000 (47M parameters:
 MLP, logits and attention all matter); ``--model tiny`` is a toy size for the test suite;
@@ -94,18 +98,35 @@ def probe(system, N: int, dog: Watchdog) -> dict:
     gradients, communication and kernel buffers); ``peak_mb``, the peak resident set of the whole
     step (forward, backward and optimizer; model, optimizer and DeepSpeed state included); and the
     step's seconds."""
+    from ringseq import RingSeqError
+
     common.reset_peak()
     before = common.rss_mb()
     dist.barrier()
     dog.watch(N, before)
     start = time.perf_counter()
-    loss = system.forward_backward(N)
+    try:
+        loss = system.forward_backward(N)
+    except RingSeqError as err:  # fit: no set of switches fits N (every rank refuses, before the step)
+        dog.watch(None)
+        return dict(step_mb=None, refused=str(err).split(". To train")[0])
     step_mb = common.hwm_mb() - before
     system.optimizer_step()
     seconds = time.perf_counter() - start
     dog.watch(None)
-    return dict(step_mb=round(common.slowest(step_mb), 1), peak_mb=round(common.slowest(common.hwm_mb()), 1),
-                seconds=round(common.slowest(seconds), 2), loss=round(loss, 4))
+    got = dict(step_mb=round(common.slowest(step_mb), 1), peak_mb=round(common.slowest(common.hwm_mb()), 1),
+               seconds=round(common.slowest(seconds), 2), loss=round(loss, 4))
+    fitted = getattr(system, "fit_report", lambda: None)()
+    if fitted is not None:  # what fit chose, and predicted at N and at the bucket's top it planned for
+        from ringseq.planner import fit as planner_fit
+
+        setting = system.engine.module._ringseq_patch.fit.setting
+        sw = planner_fit.Switches(**fitted["switches"])
+        at_n = planner_fit.cost(setting, sw, N, 1).predicted_peak_bytes
+        got.update(fit=fitted["described"], switches=fitted["switches"], planned_at=fitted["bucket"],
+                   predicted_mb=round(at_n / 2**20, 1), predicted_top_mb=round(fitted["predicted_peak_bytes"] / 2**20, 1),
+                   replans=fitted["replans"])
+    return got
 
 
 def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, grain: int, cap: int, lo: int,
@@ -122,10 +143,12 @@ def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, gra
 
     def fits(N):
         got = probe(system, N, dog)
-        seen.append((N, got["step_mb"]))
+        ok = got["step_mb"] is not None and got["step_mb"] <= budget_mb
+        if got["step_mb"] is not None:
+            seen.append((N, got["step_mb"]))
         if dist.get_rank() == 0:
-            common.emit(dict(kind="probe", system=name, P=P, N=N, **got, fits=got["step_mb"] <= budget_mb), path)
-        return got["step_mb"] <= budget_mb
+            common.emit(dict(kind="probe", system=name, P=P, N=N, **got, fits=ok), path)
+        return ok
 
     def guess(a, b):
         """Where the line through the last two probes meets the budget, on the grid, inside (a, b)."""
@@ -137,6 +160,8 @@ def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, gra
                 mid = int((n1 + (budget_mb - p1) / slope) // grain * grain)
         return min(max(mid, a + grain), b - grain)
 
+    if "fit" in features:
+        return fit_search(system, name, P, fits, budget_mb, start, grain, cap)
     N = min(max(lo + grain, start) if lo else start, cap)
     while hi is None:
         if fits(N):
@@ -159,6 +184,30 @@ def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, gra
         else:
             hi = N
     return dict(kind="longest", system=name, P=P, longest_N=lo, first_over=hi, budget_mb=budget_mb, capped=False)
+
+
+def fit_search(system, name: str, P: int, fits, budget_mb: float, start: int, grain: int, cap: int) -> dict:
+    """The fit contender's search: fit's step memory is not monotone in N (it turns switches on as N
+    grows), so no bisection. Probes at start, 2 start, ... below the longest N on the grid that fit
+    accepts (its planner's), then at that N and, while a step goes over the budget, one grain below;
+    then one grain above (which fit refuses before the step). The longest N: the first of the
+    downward probes that fits."""
+    from ringseq.planner import fit as planner_fit
+
+    state = system.engine.module._ringseq_patch.fit
+    limit = min(cap, planner_fit.longest(state.setting, 1, state.budget, cap + grain) // grain * grain)
+    N = start
+    while N < limit:
+        fits(N)
+        N *= 2
+    N = limit
+    while N > 0 and not fits(N):
+        N -= grain
+    above = limit + grain
+    if above <= cap:
+        fits(above)
+    return dict(kind="longest", system=name, P=P, longest_N=N, first_over=N + grain, budget_mb=budget_mb,
+                capped=limit >= cap and N == limit, fit_limit=limit)
 
 
 def timing(kind: str, P: int, features: tuple, N: int, steps: int) -> list[float]:
@@ -283,6 +332,7 @@ def main(argv=None):
         if alst:
             parser.error(f"ALST shards attention layers only: {alst} cannot run the hybrid model (give --systems)")
     os.environ["RINGSEQ_LONGEST_MODEL"] = args.model  # the process trees read it when they import contenders.py
+    os.environ["RINGSEQ_LONGEST_BUDGET_MB"] = str(args.budget_mb)  # the fit contender's memory_budget
     path = common.fresh_file(args.out, "longest.jsonl")
     budget = args.budget_mb
     records = [] if args.only_timing else [longest(text, budget, args.start, args.grain, args.max_n, path)

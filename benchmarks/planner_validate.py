@@ -89,17 +89,23 @@ def predict(inputs: dict) -> dict:
                 peak_mb=round((sum(parts.values()) - parts["weights"]) * 1024, 1))
 
 
-def longest_inputs(system: str, N: int) -> dict | None:
+def longest_inputs(system: str, N: int, switches: dict | None = None) -> dict | None:
     """The ``ringseq.plan`` keywords of one ``longest.py`` probe (its "bench" Llama, fp32, one SGD
     step), or None for what the planner does not cost: DeepSpeed ALST. ``groups``: one ring per kv
     head; ``replay``: checkpointing that replays the ring (``keep_ring_outputs=False``). ringseq runs through
     ``ringseq.initialize`` with ZeRO-1 (so DeepSpeed's reduce bucket counts), the unpatched model
-    without DeepSpeed; ``tiled`` is ``tiled_mlp=True``, one tile per hidden_size local tokens."""
+    without DeepSpeed; ``tiled`` is ``tiled_mlp=True``, one tile per hidden_size local tokens.
+    ``fit`` (``patch(fit=True)``): the ``switches`` its probe recorded (None without them)."""
     from ringseq.patches.tiled_mlp import tiles_for
 
     kind, P, features = longest.parse_system(system)
-    if kind == "alst":
+    if kind == "alst" or ("fit" in features and switches is None):
         return None
+    if "fit" in features:
+        features = tuple(name for name, on in (
+            ("loss", switches["chunked_loss"]), ("ckpt", switches["checkpointing"] and switches["keep_ring_outputs"]),
+            ("replay", switches["checkpointing"] and not switches["keep_ring_outputs"]),
+            ("tiled", switches["tiled_mlp"]), ("groups", switches["head_groups"] == "kv")) if on)
     model = contenders.MODELS["bench"]
     tiles = tiles_for(True, N // P, model["hidden_size"]) if "tiled" in features else 1
     return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
@@ -126,7 +132,8 @@ def longest_records(path: str) -> list[dict]:
     out = []
     with open(path) as f:
         for rec in map(json.loads, f):
-            inputs = longest_inputs(rec["system"], rec["N"]) if rec["kind"] == "probe" and rec.get("step_mb") else None
+            inputs = (longest_inputs(rec["system"], rec["N"], rec.get("switches"))
+                      if rec["kind"] == "probe" and rec.get("step_mb") else None)
             if inputs is not None:
                 pred = predict_step_mb(inputs)
                 out.append(dict(system=rec["system"], P=rec["P"], N=rec["N"], measured_mb=rec["step_mb"],

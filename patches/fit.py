@@ -9,9 +9,11 @@ Each switch is one ``patch`` offers by hand, exact as it is; fit only chooses.
 
 What is patched, and why: the MLPs get ringseq's tiled forward once (``patches.tiled_mlp``; one
 tile, that is the MLP itself, when a step needs no tiles); checkpointing is enabled once through
-transformers (``gradient_checkpointing_enable``, non-reentrant) the first time a step needs it,
-and each decoder layer's ``gradient_checkpointing`` flag is set per step. ``unpatch`` puts the
-flags and checkpoint functions back as they were.
+transformers (``activation_checkpointing_enable``, or ``gradient_checkpointing_enable`` in
+releases before that name; non-reentrant) the first time a step needs it, and each decoder
+layer's ``gradient_checkpointing`` flag is set per step: fit owns it, so checkpointing enabled by
+the user or the Trainer's ``gradient_checkpointing=True`` is overridden step by step. ``unpatch``
+puts the flags and checkpoint functions back as they were.
 
 Every rank of a group must run the same switches (head groups and the replayed ring change the
 ring's calls): the choice depends only on the batch's shape and the budget, which all ranks agree
@@ -38,7 +40,6 @@ log = logging.getLogger("ringseq")
 MARGIN = 0.05
 """Of a device's memory, kept free beside the predicted step when fit reads the free memory
 itself: the planner's error (-4% .. +3% on the measured probes), the caching allocator's blocks."""
-SWITCHES = ("chunked_loss", "tiled_mlp", "keep_ring_outputs", "head_groups")
 
 
 def check(model, chunked_loss, tiled_mlp, keep_ring_outputs, head_groups, memory_budget, split_vision) -> None:
@@ -80,7 +81,7 @@ class Fit:
     """Bytes, agreed by the group at the first step."""
     setting: planner_fit.Setting | None = None
     chosen: dict = dataclasses.field(default_factory=dict)
-    """(B, S planned at) -> Choice."""
+    """(B, S planned at) -> Choice, or None where no set fits."""
     replans: int = 0
     planning_s: float = 0.0
     current: planner_fit.Choice | None = None
@@ -185,25 +186,24 @@ def before_step(model, handle, B: int, S: int) -> None:
     agreed, B, S = _agree(handle.sp, own, B, S, device)
     if fit.budget is None:
         fit.budget = agreed
-    g = planner_fit.grain(fit.setting)
-    top = planner_fit.bucket(S, g)
-    choice = fit.chosen.get((B, top))
+    top = planner_fit.bucket(S, planner_fit.grain(fit.setting))
+    planned = False
+    for at in (top, S):  # the bucket's top; where no set fits it, the length itself
+        if (B, at) not in fit.chosen:  # None: known not to fit
+            fit.chosen[(B, at)] = planner_fit.choose(fit.setting, at, B, fit.budget)
+            planned = True
+        choice, top = fit.chosen[(B, at)], at
+        if choice is not None:
+            break
+    fit.planning_s += time.perf_counter() - started
     if choice is None:
-        choice = planner_fit.choose(fit.setting, top, B, fit.budget)
-        if choice is None and top != S:  # the bucket's top does not fit: this length itself may
-            choice = fit.chosen.get((B, S)) or planner_fit.choose(fit.setting, S, B, fit.budget)
-            top = S
-        if choice is None:
-            raise RingSeqError(planner_fit.refusal(fit.setting, S, B, fit.budget))
+        raise RingSeqError(planner_fit.refusal(fit.setting, S, B, fit.budget))
+    if planned:
         fit.replans += 1
-        fit.chosen[(B, top)] = choice
-        fit.planning_s += time.perf_counter() - started
         if handle.sp.rank == 0:
             log.info("ringseq fit: %d x %d tokens (planned at %d): %s; predicted step peak %.0f MiB of %.0f MiB, "
                      "%.3g s/step", B, S, top, choice.switches.describe(), choice.predicted_peak_bytes / 2**20,
                      fit.budget / 2**20, choice.predicted_step_s)
-    else:
-        fit.planning_s += time.perf_counter() - started
     apply(model, handle, choice.switches)
     fit.current, fit.bucket_top = choice, top
     planner_fit.reports[handle.sp.ranks] = planner_fit.report(choice, fit.budget, top, fit.replans, fit.planning_s)

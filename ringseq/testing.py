@@ -83,11 +83,14 @@ class _Clean:
 
     def start(self) -> None:
         from . import ledger, lockstep
+        from .planner import fit
 
         # every job starts all ranks at the same point: forget the previous job's collective
         # counts (a test that has only some ranks call ringseq leaves them apart on purpose)
         lockstep.forget()
         ledger._ledgers.clear()
+        fit.reports.clear()  # an earlier job's fit choices are not this one's (ringseq.stats reports them)
+        fit.peaks.clear()
         random.seed(0)
         torch.manual_seed(0)
 

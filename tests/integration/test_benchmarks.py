@@ -90,6 +90,41 @@ def test_longest_benchmark(tmp_path):
     assert (tmp_path / "longest.png").exists()
 
 
+def test_longest_benchmark_fit_contender(tmp_path):
+    """longest.py's fit contender at a toy size, in a budget (16 MB) that fit's planner fits up to
+    12288 tokens on the 512 grid: probes at 4096 and 8192, then down from 12288 until a step fits,
+    then at 12800, which fit refuses before the step; a probe that ran records fit's choice (no
+    checkpointing at 4096, checkpointing at 12288) and its prediction at N."""
+    records = bench("longest.py", "--model", "tiny", "--systems", "ringseq:2:fit", "--budget-mb", "16",
+                    "--start", "4096", "--grain", "512", "--max-n", "16384", "--common", "0", out=tmp_path)
+    probes = [r for r in records if r["kind"] == "probe"]
+    best = next(r for r in records if r["kind"] == "longest")
+    assert best["fit_limit"] == 12288 and [r["N"] for r in probes[:3]] == [4096, 8192, 12288], probes
+    refused = probes[-1]
+    assert refused["N"] == 12800 and refused["step_mb"] is None and not refused["fits"], refused
+    assert "no set of memory switches fits a step of 1 x 12800 tokens" in refused["refused"], refused
+    assert not probes[0]["switches"]["checkpointing"] and probes[2]["switches"]["checkpointing"], probes
+    assert all(r["predicted_mb"] <= r["predicted_top_mb"] <= 16 and r["planned_at"] >= r["N"] for r in probes[:-1])
+    assert best["longest_N"] in [r["N"] for r in probes if r["fits"]] or best["longest_N"] == 0, (best, probes)
+
+
+def test_fit_mixed_benchmark(tmp_path):
+    """fit_mixed.py at a toy size: both systems take the same lengths and give the same losses (the
+    switches change memory and time, not results); fit re-plans at most once per length and
+    records what it chose and predicted."""
+    records = bench("fit_mixed.py", "--model", "small", "--steps", "3", "--max-n", "4096", "--budget-mb", "64",
+                    out=tmp_path)
+    setup = records[0]
+    steps = {name: [r for r in records if r.get("system") == name and r["kind"] == "step"] for name in ("fit", "fixed")}
+    assert [r["N"] for r in steps["fit"]] == [r["N"] for r in steps["fixed"]] == setup["lengths"]
+    for a, b in zip(steps["fit"], steps["fixed"]):
+        assert abs(a["loss"] - b["loss"]) <= 1e-4 * abs(b["loss"]), (a, b)
+    summary = {r["system"]: r for r in records if r["kind"] == "summary"}
+    assert 1 <= summary["fit"]["replans"] <= summary["fit"]["distinct_lengths"] == len(set(setup["lengths"]))
+    assert all(r["predicted_mb"] <= 64 and r["fit"] for r in steps["fit"]) and summary["fit"]["planning_s"] > 0
+    assert records[-1]["kind"] == "ratio" and (tmp_path / "fit_mixed.png").exists()
+
+
 # in the default run: the script a device run spends its time on must not break unseen (it did once, under -m slow)
 def test_gpu_check_runs_its_cpu_part():
     """benchmarks/gpu_check.py --device cpu (through its shell wrapper): every check that applies

@@ -87,3 +87,44 @@ def test_buckets_cover_each_length_within_an_eighth_of_a_doubling(grain):
         assert top <= max(grain, -(-int(S * 2 ** (1 / fit.STEPS) + 1) // grain) * grain), (S, top)
         tops.append(top)
     assert tops == sorted(tops) and len(set(tops)) < len(tops) / 10
+
+
+def _budget_of(setting, memory_budget=None):
+    import types
+
+    from ringseq.patches import fit as fitting
+
+    model = types.SimpleNamespace(_ringseq_patch=types.SimpleNamespace(fit=fitting.Fit(memory_budget=memory_budget)))
+    return fitting._own_budget(model, setting)
+
+
+def test_the_default_budget_on_a_gpu_is_free_memory_less_the_stated_margin(monkeypatch):
+    """No GPU here: CUDA's memory queries stood in for. Free memory (with the caching allocator's
+    unused blocks) less 5% of the device and the Adam state torch makes at its first step."""
+    import torch
+
+    from ringseq.patches import fit as fitting
+    from ringseq.planner.memory import states
+
+    GiB = 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda: (60 * GiB, 80 * GiB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda: 7 * GiB)
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda: 5 * GiB)
+    setting = gpu()
+    adam = states(setting.spec, setting.features(fit.Switches(), 1, 1), setting.hw.bytes, setting.gpus)["optimizer"]
+    assert adam > 0
+    assert _budget_of(setting) == pytest.approx(62 * GiB - fitting.MARGIN * 80 * GiB - adam)
+    assert _budget_of(setting, 12345) == 12345.0  # memory_budget wins
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA H200")
+    assert fitting._preset() == "h200"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA L40S")
+    assert fitting._preset() == "h100"
+
+
+def test_the_default_budget_on_cpu_shares_the_available_memory():
+    from ringseq.patches import fit as fitting
+
+    with open("/proc/meminfo") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    got = _budget_of(cpu(P=2))
+    assert got == pytest.approx(available * (1 - fitting.MARGIN) / 2, rel=0.05)  # the host's memory moves a little

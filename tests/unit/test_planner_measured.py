@@ -54,9 +54,10 @@ def test_memory_against_model_memory_benchmark(rec):
 
 def test_the_longest_check_covers_p_2_and_4_and_the_memory_features():
     features = {f for r in LONGEST for f in r["system"].split(":")[2].split(",") if f}
-    # groups: one ring per kv head (patch(head_groups="kv")); replay: checkpointing that replays the ring
-    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled", "replay"} <= features <= {
-        "loss", "ckpt", "tiled", "groups", "replay"}
+    # groups: one ring per kv head (patch(head_groups="kv")); replay: checkpointing that replays the ring;
+    # fit: patch(fit=True), each probe costed by the switches it recorded
+    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled", "replay", "fit"} <= features <= {
+        "loss", "ckpt", "tiled", "groups", "replay", "fit"}
     # points where activations, not the gradients' floor, set the peak, for each feature set
     systems = {r["system"] for r in LONGEST}
     floor = min(r["measured_mb"] for r in LONGEST if r["P"] > 1)
@@ -114,3 +115,23 @@ def test_replaying_the_ring_costs_what_the_planner_says(run):
 def test_the_longest_n_check_covers_the_memory_features():
     systems = {r["system"] for r in ROWS if not r["capped"]}
     assert {"ringseq:2:loss", "ringseq:2:loss,ckpt,tiled", "ringseq:2:loss,replay,tiled", "unpatched:1:"} <= systems
+
+
+FIT = [r for r in map(json.loads, (DOCS / "longest.jsonl").read_text().splitlines()) if r.get("run") == "fit"]
+
+
+def test_fit_reaches_the_longest_manual_rows_and_their_speed():
+    """longest.py's fit contender (run "fit", docs/memory.md): at each P it reaches the longest N of
+    every searched manual row in the same budget; at N = 4096 its tokens/s is at least 0.95x the
+    fastest manual row timed beside it; each probe's recorded prediction is its switches' cost."""
+    best = {r["system"]: r for r in map(json.loads, (DOCS / "longest.jsonl").read_text().splitlines())
+            if r["kind"] == "longest"}
+    for P in (2, 4):
+        manual = max(r["longest_N"] for s, r in best.items() if s.startswith(f"ringseq:{P}:") and "fit" not in s)
+        assert best[f"ringseq:{P}:fit"]["longest_N"] >= manual, (P, manual, best[f"ringseq:{P}:fit"])
+    speed = {r["system"]: r["tokens_per_s"] for r in FIT if r["kind"] == "tokens_per_s"}
+    fastest = max(v for s, v in speed.items() if "fit" not in s)
+    assert speed.pop("ringseq:2:fit") >= 0.95 * fastest and len(speed) >= 3, speed
+    for r in (r for r in FIT if r["kind"] == "probe" and r.get("step_mb")):
+        inputs = planner_validate.longest_inputs(r["system"], r["N"], r["switches"])
+        assert planner_validate.predict_step_mb(inputs) == pytest.approx(r["predicted_mb"], abs=0.2), r
