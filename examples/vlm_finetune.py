@@ -70,6 +70,26 @@ def kinds_named(model, batch: dict) -> tuple[int, int]:
     return int((full[ends].argmax(-1) == wanted).sum()), int(wanted.numel())
 
 
+def trained(sp, steps: int, seq_len: int, images: int, split_vision: bool = False):
+    """A tiny Qwen2.5-VL patched over ``sp``, trained ``steps`` steps on rows of ``images`` pictures."""
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration._from_config(model_config(), attn_implementation="sdpa")
+    ringseq.patch(model, sp=sp, split_vision=split_vision)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    bar = tqdm(range(steps), desc=f"VLM ring x{sp.size}", disable=dist.get_rank() != 0, unit="step")
+    for step in bar:
+        batch = rows(2, seq_len, images, seed=step * 1000 + sp.dp_rank)  # the same on a group's ranks
+        loss = model(**batch).loss
+        optimizer.zero_grad()
+        loss.backward()
+        for p in model.parameters():  # summed over the sequence group, averaged over replicas
+            dist.all_reduce(p.grad, group=sp.grad_group)
+            p.grad /= sp.dp_size
+        optimizer.step()
+        bar.set_postfix(loss=f"{loss.item():.3f}")
+    return model
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default: %(default)s)")
@@ -79,22 +99,8 @@ def main():
     args = parser.parse_args()
     sp = ringseq.init(config=ringseq.config.from_env())  # first: the process group (gloo on CPU)
 
-    torch.manual_seed(0)
-    model = Qwen2_5_VLForConditionalGeneration._from_config(model_config(), attn_implementation="sdpa")
-    ringseq.patch(model, sp=sp, split_vision=args.split_vision)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = trained(sp, args.steps, args.seq_len, args.images, args.split_vision)
     rank0 = dist.get_rank() == 0
-    bar = tqdm(range(args.steps), desc=f"VLM ring x{sp.size}", disable=not rank0, unit="step")
-    for step in bar:
-        batch = rows(2, args.seq_len, args.images, seed=step * 1000 + sp.dp_rank)  # the same on a group's ranks
-        loss = model(**batch).loss
-        optimizer.zero_grad()
-        loss.backward()
-        for p in model.parameters():  # summed over the sequence group, averaged over replicas
-            dist.all_reduce(p.grad, group=sp.grad_group)
-            p.grad /= sp.dp_size
-        optimizer.step()
-        bar.set_postfix(loss=f"{loss.item():.3f}")
     held_out = rows(2, args.seq_len, args.images, seed=10**6)
     with torch.no_grad():
         ring = model(**held_out).loss.item()

@@ -20,7 +20,7 @@ from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
 from . import checkpointing, fit as fitting, logits as logit_maps, mixers, router_loss, vision
-from .generation import VLM_CACHE, cached_forward
+from .generation import cached_forward
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
 # description of the packed documents, which ringseq reads from position_ids instead.
@@ -86,8 +86,6 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     if kwargs.get("output_attentions"):
         raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
     if past_key_values is not None or use_cache:
-        if handle.vision is not None:
-            raise RingSeqError(VLM_CACHE)
         if fused_lm_head or logits_fn is not None:
             raise RingSeqError("fused_lm_head / logits_fn with a KV cache: generation computes plain logits")
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)

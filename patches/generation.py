@@ -34,13 +34,10 @@ from ringseq.batch import check_same_batch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
-from . import logits as logit_maps, mixers
+from . import logits as logit_maps, mixers, vision_generation
 from .cache import ShardedCache
 
 # generation settings ringseq cannot run exactly over a sharded cache, and what to do instead
-VLM_CACHE = ("generate (or a KV cache) on a patched vision-language model is not supported: its prefill would "
-             "merge the images on the full prompt and its decode steps would need the 3-D positions of every new "
-             "token; ringseq.unpatch(model) to generate on one rank")
 REFUSED = {
     "num_beams": (lambda v: v not in (None, 1), "beam search reorders the cache across beams: use num_beams=1 "
                                                 "(greedy or sampling)"),
@@ -81,9 +78,9 @@ def check(model, kwargs: dict) -> None:
         if kwargs.get(key) is not None:
             raise RingSeqError(f"generate with {key} under ringseq: the sharded cache is filled by the prompt; "
                                f"pass the whole sequence as the prompt")
-    for key in ("pixel_values", "pixel_values_videos", "input_features"):
-        if kwargs.get(key) is not None:
-            raise RingSeqError(f"generate with {key} under ringseq: generation is text-only for now")
+    if kwargs.get("input_features") is not None:
+        raise RingSeqError("generate with input_features under ringseq: audio inputs are not sharded; "
+                           "ringseq.unpatch(model) to generate on one rank")
 
 
 def _rng_states(device) -> list[torch.Tensor]:
@@ -126,8 +123,6 @@ def generate(self, *args, **kwargs):
     adapters inside the layers) generates through its inner model, which borrows the patched
     forward for the call."""
     handle = self._ringseq_patch
-    if handle.vision is not None:
-        raise RingSeqError(VLM_CACHE)
     versions.require_feature("generation", "generate on a patched model")
     check(self, kwargs)
     target = self
@@ -138,7 +133,7 @@ def generate(self, *args, **kwargs):
         target = self.get_base_model()
     device = next(self.parameters()).device
     own = _rng_states(device)
-    with _borrowed(self, target, handle):
+    with _borrowed(self, target, handle), _signed(target, handle.vision is not None):
         agreed = _share_rng(handle.sp, device)
         cache = ShardedCache(target.config, handle.sp)
         try:
@@ -173,6 +168,36 @@ def _borrowed(patched, target, handle):
             del target.forward
         else:
             target.forward = before
+
+
+@contextlib.contextmanager
+def _signed(target, vlm: bool):
+    """For the call, a VLM's patched forward declares the unpatched forward's parameters too
+    (``pixel_values``, ``image_grid_thw``, ...): transformers checks ``generate``'s inputs by the
+    forward's signature. All but ``mm_encoder_outputs``: declared, it has ``generate`` encode every
+    image on every rank before the prefill, where the ranks' pixels are checked alike and
+    ``split_vision`` shares them out."""
+    if not vlm:
+        yield
+        return
+    patched = vars(target)["forward"]
+    func = patched.__func__
+
+    def forward(self, *args, **kwargs):
+        return func(self, *args, **kwargs)
+
+    own = inspect.signature(func)
+    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    extra = [p.replace(kind=p.KEYWORD_ONLY) for name, p in inspect.signature(type(target).forward).parameters.items()
+             if name not in own.parameters and name != "mm_encoder_outputs"
+             and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    rest = [p for p in own.parameters.values() if p.kind is p.VAR_KEYWORD]
+    forward.__signature__ = own.replace(parameters=params + extra + rest)
+    target.forward = types.MethodType(forward, target)
+    try:
+        yield
+    finally:
+        target.forward = patched
 
 
 def _cache_name(fn) -> str:
@@ -235,16 +260,38 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
             raise RingSeqError(f"{key} with a KV cache: a patched model computes losses without a cache; drop "
                                f"use_cache / past_key_values")
         kwargs.pop(key, None)
+    prefill, decode = (vision_generation.prefill, vision_generation.decode) if handle.vision is not None else \
+        (_prefill, _decode)
     if cache.seen == 0:
-        hidden = _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+        out, batch = _failing(handle.sp, "the prefill", prefill, model, handle, cache, input_ids, inputs_embeds,
+                              attention_mask, position_ids, kwargs, sharded=True)
+        hidden = _last_hidden(out.last_hidden_state, batch)
     else:
-        hidden = _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs)
+        hidden = _failing(handle.sp, "a decode step", decode, model, handle, cache, input_ids, inputs_embeds,
+                          attention_mask, position_ids, kwargs)
         keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
         hidden = hidden[:, -keep:]
     return CausalLMOutputWithPast(logits=logit_maps.head_logits(model, hidden), past_key_values=cache)
 
 
+def _failing(sp, what: str, fn, *args, sharded: bool = False):
+    """``fn(*args)``; a failure of this rank's own (not ringseq's) is marked for the peers waiting
+    in a later layer's ring or all-gather, which learn who failed. ``sharded``: the tokens are
+    sharded (the prefill), so a recurrent kernel called without ringseq's batch is refused
+    (``mixers.patched_forward``); a decode step runs every token on every rank."""
+    try:
+        with mixers.patched_forward() if sharded else contextlib.nullcontext():
+            return fn(*args)
+    except RingSeqError:
+        raise
+    except BaseException as exc:
+        lockstep.mark_failed(sp, f"{what}: {type(exc).__name__}: {exc}")
+        raise
+
+
 def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
+    """The text prompt through the ring into ``cache``: (the decoder's output on this rank's
+    tokens, the prompt's ``ShardedBatch``)."""
     sp = handle.sp
     tokens = input_ids if input_ids is not None else inputs_embeds
     S = tokens.size(1)
@@ -254,22 +301,16 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
     cache.begin_prefill(batch, full["attention_mask"], offset=pad)
     if handle.recurrent:
         kwargs["attention_mask"] = local["attention_mask"]
-    try:
-        with mixers.patched_forward():
-            decoder = model.get_decoder()
-            kwargs[_cache_name(type(decoder).forward)] = cache
-            out = decoder(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
-                          position_ids=local["position_ids"], use_cache=True, ringseq=batch, **kwargs)
-    except RingSeqError:
-        raise
-    except BaseException as exc:
-        lockstep.mark_failed(sp, f"the prefill: {type(exc).__name__}: {exc}")
-        raise
+    decoder = model.get_decoder()
+    kwargs[_cache_name(type(decoder).forward)] = cache
+    out = decoder(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
+                  position_ids=local["position_ids"], use_cache=True, ringseq=batch, **kwargs)
     cache.end_prefill(length=S)
-    return _last_hidden(out.last_hidden_state, batch)
+    return out, batch
 
 
 def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
+    """A decode step of a text model: the decoder's last hidden states of the new tokens."""
     sp = handle.sp
     tokens = input_ids if input_ids is not None else inputs_embeds
     B, n = tokens.shape[:2]
@@ -280,15 +321,10 @@ def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
     if attention_mask is not None and attention_mask.size(1) != cache.seen + n:
         raise RingSeqError(f"attention_mask covers {attention_mask.size(1)} tokens, but the cache holds "
                            f"{cache.seen} and {n} come now")
-    valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long)
+    valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long,
+                                                                                  device=tokens.device)
     decode = cache.begin_step(n, valid)
     decoder = model.get_decoder()
     kwargs[_cache_name(type(decoder).forward)] = cache
-    try:
-        return decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                       position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs).last_hidden_state
-    except RingSeqError:
-        raise
-    except BaseException as exc:  # peers waiting in a later layer's all-gather learn who failed
-        lockstep.mark_failed(sp, f"a decode step: {type(exc).__name__}: {exc}")
-        raise
+    return decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                   position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs).last_hidden_state

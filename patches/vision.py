@@ -158,29 +158,58 @@ def _intercepted(lm, run):
             lm.forward = before
 
 
+def through_base(model, language_model, *, input_ids, inputs_embeds, attention_mask, position_ids, kwargs,
+                 cache=None):
+    """Run the VLM's inner model on the full inputs with its language model's one call replaced by
+    ``language_model(inner, inputs_embeds, **the call's other arguments)`` (``inner``: the language
+    model's own forward); ``cache``: a KV cache for the inner model (generation). Returns what
+    ``language_model`` returned."""
+    base, lm = multimodal_model(model)
+    inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
+    seen = {}
+
+    def intercepted(input_ids=None, inputs_embeds=None, **lm_kwargs):
+        if seen:
+            raise RingSeqError(f"{type(base).__name__} called its language model twice in one forward; ringseq "
+                               f"shards a VLM whose forward calls it once: ringseq.unpatch(model) to run it on one "
+                               f"rank, or patch its text model alone")
+        seen["out"] = language_model(inner, lm.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds,
+                                     **lm_kwargs)
+        return seen["out"]
+
+    if cache is not None:
+        from .generation import _cache_name
+
+        kwargs = {**kwargs, _cache_name(type(base).forward): cache}
+    with _intercepted(lm, intercepted):
+        base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
+             use_cache=cache is not None, **kwargs)
+    if not seen:
+        raise RingSeqError(f"{type(base).__name__} never called its language model, so ringseq had nothing to shard: "
+                           f"ringseq.unpatch(model) to run it on one rank, or patch its text model alone")
+    return seen["out"]
+
+
+def check_inputs(handle, kwargs: dict, **inputs) -> None:
+    """Every rank holds the same inputs (the inputs are agreed on, not the merged embeddings: a
+    vision tower need not be bitwise alike on every rank)."""
+    check_same_inputs({**inputs, **{k: v for k, v in kwargs.items() if torch.is_tensor(v)}}, handle.sp)
+
+
 def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels, kwargs,
         balance: bool = False):
     """The VLM's own forward on the full batch, its language model on this rank's shard
     (``balance``: packed documents laid out by work, ``ringseq.balance``). Returns (the language
     model's output on this rank's tokens, the ``ShardedBatch``)."""
-    base, lm = multimodal_model(model)
-    inner = type(lm).forward.__get__(lm)  # the language model's own forward, whatever wraps the instance
-    # the inputs are agreed on, not the merged embeddings: a vision tower need not be bitwise alike on every rank
-    check_same_inputs({"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
-                       "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels,
-                       **{k: v for k, v in kwargs.items() if torch.is_tensor(v)}}, handle.sp)
-    seen = {}
+    check_inputs(handle, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                 position_ids=position_ids, labels=labels, shift_labels=shift_labels)
+    base, _ = multimodal_model(model)
     padding = attention_mask  # the 2-D padding mask (the model may hand its language model masks of its own)
     blocks = _blocks(base, kwargs)
+    seen = {}
 
-    def sharded_language_model(input_ids=None, inputs_embeds=None, position_ids=None, attention_mask=None,
-                               past_key_values=None, use_cache=None, **lm_kwargs):
-        if "ringseq" in seen:
-            raise RingSeqError(f"{type(base).__name__} called its language model twice in one forward; ringseq "
-                               f"shards a VLM whose forward calls it once: ringseq.unpatch(model) to run it on one "
-                               f"rank, or patch its text model alone")
-        if inputs_embeds is None:
-            inputs_embeds = lm.embed_tokens(input_ids)
+    def sharded_language_model(inner, inputs_embeds, position_ids=None, attention_mask=None, past_key_values=None,
+                               use_cache=None, **lm_kwargs):
         full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
                 "shift_labels": shift_labels, "attention_mask": padding}
         local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
@@ -193,16 +222,11 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         if handle.recurrent and local.get("attention_mask") is not None:
             lm_kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this shard
         seen["ringseq"] = batch
-        seen["out"] = inner(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=False,
-                            ringseq=batch, **lm_kwargs)
-        return seen["out"]
+        return inner(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=False,
+                     ringseq=batch, **lm_kwargs)
 
     if handle.vision.split:
         vision_split.encoder_outputs(base, kwargs, handle.sp)
-    with _intercepted(lm, sharded_language_model):
-        base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
-             use_cache=False, **kwargs)
-    if "ringseq" not in seen:
-        raise RingSeqError(f"{type(base).__name__} never called its language model, so ringseq had nothing to shard: "
-                           f"ringseq.unpatch(model) to run it on one rank, or patch its text model alone")
-    return seen["out"], seen["ringseq"]
+    out = through_base(model, sharded_language_model, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                       attention_mask=attention_mask, position_ids=position_ids, kwargs=kwargs)
+    return out, seen["ringseq"]

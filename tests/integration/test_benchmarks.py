@@ -177,6 +177,15 @@ def test_generation_benchmark(tmp_path):
     assert (tmp_path / "generation.png").exists()
 
 
+@pytest.mark.slow  # two process trees; VLM generation is tested in test_vlm_generation
+def test_generation_benchmark_on_a_vlm(tmp_path):
+    records = bench("generation.py", "--model", "vlm", "--N", "512", "--sizes", "2", "--reps", "1", "--new", "2",
+                    out=tmp_path)
+    assert [(r["kind"], r["model"], r["P"]) for r in records] == [("unpatched", "vlm", 1), ("ringseq", "vlm", 2)]
+    assert records[1]["same_tokens"] and records[1]["kv_mb_per_rank"] * 2 == records[0]["kv_mb_per_rank"]
+    assert (tmp_path / "generation_vlm.png").exists()
+
+
 @pytest.mark.slow  # three process trees; the VLM paths it times are tested in test_vlm
 def test_vision_benchmark(tmp_path):
     records = bench("vision.py", "--N", "256", "--images", "2", "--sizes", "2", "--reps", "1", out=tmp_path)

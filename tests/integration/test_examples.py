@@ -39,6 +39,12 @@ def test_the_vlm_example_trains_and_matches_unpatched(pool2):
     assert "kinds named right: " in out, out[-2000:]
 
 
+def test_the_vlm_generate_example_answers_as_the_unpatched_model(pool2):
+    out = ringseq_launch(pool2, "vlm_generate.py", "--steps", "3", "--train-len", "256", "--seq-len", "512",
+                         "--images", "8", "--depths", "0.2", "0.9", "--batch", "2", "--split-vision")
+    assert "every answer equals the unpatched model's" in out and "depth 0.9" in out, out[-3000:]
+
+
 def test_the_grpo_example_trains_and_draws_its_rewards(pool2, tmp_path):
     out, plot = tmp_path / "rewards.json", tmp_path / "rewards.png"
     text = ringseq_launch(pool2, "grpo_retrieval.py", "--steps", "2", "--prompt-len", "96", "--mentions", "2",

@@ -2,12 +2,12 @@
 against trl.GRPOTrainer on the same prompts (grpo_step.py: completions token for token, per-token
 log-probs, logged metrics, reward calls and parameter updates, every rank asserting): one sequence
 group against one plain TRL process, and two replicas of two ranks (under DeepSpeed ZeRO-2 and 3)
-against TRL's two data-parallel processes."""
+against TRL's two data-parallel processes; text models and a VLM (TRL's multimodal GRPO)."""
 import pytest
 
 from .test_clients import ENV, HERE, each_ok
 
-SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "bf16"]
+SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "bf16", "vlm"]
 ACCELERATE = ("accelerate", "--multi_gpu")
 
 
@@ -33,7 +33,7 @@ def test_grpo_one_group_equals_one_trl_process(pools, reference, nproc):
 
 
 # the second pair repeats the first's glue under ZeRO-2 and with two iterations: behind -m slow (the budget)
-@pytest.mark.parametrize("scenarios", [["bnpo_ref@3"], pytest.param(["grpo@2", "dapo_iterations@3"],
+@pytest.mark.parametrize("scenarios", [["bnpo_ref@3", "vlm@3"], pytest.param(["grpo@2", "dapo_iterations@3"],
                                                                       marks=pytest.mark.slow)])
 def test_grpo_replicas_under_deepspeed_zero_equal_trl_data_parallel(pools, tmp_path, scenarios):
     path = str(tmp_path / "replicas.pt")
