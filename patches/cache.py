@@ -22,6 +22,7 @@ convolution state is the last inputs of the whole prompt, which one rank holds
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import torch
 from transformers import cache_utils
@@ -212,3 +213,8 @@ class ShardedCache(DynamicCache):
 
     def crop(self, max_length: int) -> None:
         raise RingSeqError(CROP_REFUSED)
+
+
+def cache_name(fn) -> str:
+    """The name ``fn`` takes a cache by: ``cache`` from transformers 5.24, ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"

@@ -35,7 +35,7 @@ from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
 from . import logits as logit_maps, mixers, vision_generation
-from .cache import ShardedCache
+from .cache import ShardedCache, cache_name
 
 # generation settings ringseq cannot run exactly over a sharded cache, and what to do instead
 REFUSED = {
@@ -144,7 +144,7 @@ def generate(self, *args, **kwargs):
                 kwargs["generation_config"].use_cache = True
             else:
                 kwargs["use_cache"] = True
-            kwargs[_cache_name(type(target).generate)] = cache
+            kwargs[cache_name(type(target).generate)] = cache
             return type(target).generate(target, *args, **kwargs)
         finally:
             if not agreed:  # this rank drew with rank 0's state: its own comes back, untouched
@@ -198,11 +198,6 @@ def _signed(target, vlm: bool):
         yield
     finally:
         target.forward = patched
-
-
-def _cache_name(fn) -> str:
-    """The name ``fn`` takes a cache by: ``cache`` from transformers 5.24, ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(fn).parameters else "past_key_values"
 
 
 def _full_prompt(input_ids, inputs_embeds, attention_mask, position_ids, pad: int) -> dict:
@@ -302,7 +297,7 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
     if handle.recurrent:
         kwargs["attention_mask"] = local["attention_mask"]
     decoder = model.get_decoder()
-    kwargs[_cache_name(type(decoder).forward)] = cache
+    kwargs[cache_name(type(decoder).forward)] = cache
     out = decoder(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
                   position_ids=local["position_ids"], use_cache=True, ringseq=batch, **kwargs)
     cache.end_prefill(length=S)
@@ -325,6 +320,6 @@ def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
                                                                                   device=tokens.device)
     decode = cache.begin_step(n, valid)
     decoder = model.get_decoder()
-    kwargs[_cache_name(type(decoder).forward)] = cache
+    kwargs[cache_name(type(decoder).forward)] = cache
     return decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                    position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs).last_hidden_state

@@ -28,6 +28,7 @@ from ringseq.batch import check_same_batch, sharded
 from ringseq.errors import RingSeqError
 
 from . import vision_split
+from .cache import cache_name
 
 def transformers_model(model):
     """The transformers model inside a PEFT wrapper (or the model itself)."""
@@ -178,9 +179,7 @@ def through_base(model, language_model, *, input_ids, inputs_embeds, attention_m
         return seen["out"]
 
     if cache is not None:
-        from .generation import _cache_name
-
-        kwargs = {**kwargs, _cache_name(type(base).forward): cache}
+        kwargs = {**kwargs, cache_name(type(base).forward): cache}
     with _intercepted(lm, intercepted):
         base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask, position_ids=position_ids,
              use_cache=cache is not None, **kwargs)

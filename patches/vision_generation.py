@@ -24,6 +24,7 @@ from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 
 from . import vision, vision_split
+from .cache import cache_name
 
 
 def _front(t: torch.Tensor, pad: int, dim: int, value=0) -> torch.Tensor:
@@ -68,7 +69,7 @@ def prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
         cache.begin_prefill(batch, full["attention_mask"], offset=pad)
         seen["batch"] = batch
         out = inner(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=True,
-                    ringseq=batch, **{_cache_kw(inner): cache}, **lm_kwargs)
+                    ringseq=batch, **{cache_name(inner): cache}, **lm_kwargs)
         cache.end_prefill(length=S)
         return out
 
@@ -106,15 +107,9 @@ def decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posit
             raise RingSeqError("an image token among the new tokens of a decode step: a patched VLM takes its "
                                "images with the prompt")
         step_batch = cache.begin_step(n, valid)
-        return inner(inputs_embeds=inputs_embeds, use_cache=True, ringseq=step_batch, **{_cache_kw(inner): cache},
+        return inner(inputs_embeds=inputs_embeds, use_cache=True, ringseq=step_batch, **{cache_name(inner): cache},
                      **lm_kwargs)
 
     out = vision.through_base(model, decoded, input_ids=input_ids, inputs_embeds=inputs_embeds,
                               attention_mask=attention_mask, position_ids=position_ids, kwargs=kwargs, cache=cache)
     return out.last_hidden_state
-
-
-def _cache_kw(inner) -> str:
-    from .generation import _cache_name
-
-    return _cache_name(inner)

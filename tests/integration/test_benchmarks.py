@@ -90,6 +90,7 @@ def test_longest_benchmark(tmp_path):
     assert (tmp_path / "longest.png").exists()
 
 
+@pytest.mark.slow  # process trees per probe; fit itself is tested in tests/integration/test_fit.py
 def test_longest_benchmark_fit_contender(tmp_path):
     """longest.py's fit contender at a toy size, in a budget (16 MB) that fit's planner fits up to
     12288 tokens on the 512 grid: probes at 4096 and 8192, then down from 12288 until a step fits,
@@ -108,6 +109,7 @@ def test_longest_benchmark_fit_contender(tmp_path):
     assert best["longest_N"] in [r["N"] for r in probes if r["fits"]] or best["longest_N"] == 0, (best, probes)
 
 
+@pytest.mark.slow  # two process trees; fit on changing lengths is tested in tests/integration/test_fit.py
 def test_fit_mixed_benchmark(tmp_path):
     """fit_mixed.py at a toy size: both systems take the same lengths and give the same losses (the
     switches change memory and time, not results); fit re-plans at most once per length and
