@@ -5,9 +5,10 @@ the ranks, every answer checked against the unpatched model.
     torchrun --nproc_per_node 2 examples/vlm_generate.py --seq-len 4096 --images 64 --split-vision
 
 The tiny Qwen2.5-VL of ``vlm_finetune.py`` learns to name each picture's kind in the token after
-its end token, on rows of ``--train-len`` tokens. Then held-out rows of ``--seq-len`` tokens and ``--images`` pictures are cut right
-after the end token of the picture at each ``--depths`` fraction of the row: the question is that
-picture's kind, with every earlier picture in the prompt. ``model.generate`` (greedy) answers on
+its end token, on rows of ``--train-len`` tokens. Then held-out rows of ``--seq-len`` tokens and
+``--images`` pictures are cut right after the end token of the picture at each ``--depths``
+fraction of the row: the question is that picture's kind, with every earlier picture in the
+prompt. ``model.generate`` (greedy) answers on
 every rank, the prompt split over the ranks (the vision tower on the whole prompt, or a share of
 the pictures with ``--split-vision``; the language model on the ring; the cache sharded). Every
 rank gets the same answers (compared), rank 0 checks them against the unpatched model's
