@@ -20,6 +20,9 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
                  failure); the default choice must take everything.
 (4) ``model``    a patched tiny Llama (packed documents) training step: loss and gradients against
                  the unpatched model in the same dtype and in float64.
+(5) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
+                 of a patched tiny Llama against the unpatched model's (on the CPU: skipped, the tests
+                 run it at 2 and 4 processes).
 
 The first line says where it ran (torch, device, which flash implementation the flash ops run).
 Off CUDA FlexAttention runs forward only (torch has no CPU backward for it): (3) checks its forward
@@ -182,6 +185,17 @@ def check_kernels(args, rows):
                 _record(rows, **row, ok=False, error=str(exc)[:300])
 
 
+def _world_of_one():
+    """A one-process world as a launcher makes it (its variables set: Accelerate then sees a distributed
+    job, as on a node of several GPUs)."""
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        from ringseq.processes import free_port
+        os.environ["MASTER_PORT"] = str(free_port())
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    return ringseq.init(sp_size=1)
+
+
 def check_model(args, rows):
     """(4) a patched tiny Llama step (packed documents) against the unpatched one."""
     try:
@@ -189,12 +203,7 @@ def check_model(args, rows):
     except ImportError:
         _record(rows, check="model", ok=True, skipped="transformers is not installed")
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        from ringseq.processes import free_port
-        os.environ["MASTER_PORT"] = str(free_port())
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    sp = ringseq.init(sp_size=1)
+    sp = _world_of_one()
     S = 2048 if args.device == "cuda" else 256
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -225,9 +234,61 @@ def check_model(args, rows):
         _record(rows, **row, ok=False, error=str(exc)[:300])
 
 
+def check_trainer_fsdp2(args, rows):
+    """(5) ringseq.Trainer under TrainingArguments(fsdp=True, fsdp_config={"version": 2}): Accelerate's FSDP2 on
+    the GPU (its units, DTensor parameters, the fused loss beside a sharded head, the engine check) for two
+    SGD steps of a patched tiny Llama, against the same steps of the unpatched model in fp32 and float64."""
+    row = dict(check="trainer_fsdp2", model="tiny llama", device=args.device)
+    if args.device != "cuda":  # one process: Accelerate takes FSDP on a GPU only (2 and 4 CPU processes: the tests)
+        _record(rows, **row, ok=True, skipped="FSDP2 through Accelerate in one process needs a GPU; "
+                                                "tests/integration/test_trainer.py runs it at 2 and 4 CPU processes")
+        return
+    import tempfile
+
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
+
+    sp = _world_of_one()
+    S, steps, lr = 1024, 2, 0.5
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (steps, S), generator=g)]
+
+    def reference(dtype):
+        model = copy.deepcopy(base).to(dtype)
+        for sample in data:
+            model.zero_grad()
+            model(input_ids=sample["input_ids"][None], labels=sample["labels"][None]).loss.backward()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p -= lr * p.grad
+        return {n: p.detach() for n, p in model.named_parameters()}
+
+    with tempfile.TemporaryDirectory() as out:
+        targs = TrainingArguments(output_dir=out, per_device_train_batch_size=1, max_steps=steps, learning_rate=lr,
+                                  lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=0.0,
+                                  report_to=[], save_strategy="no", disable_tqdm=True, fsdp=True,
+                                  fsdp_config={"version": 2})
+        trainer = ringseq.Trainer(model=copy.deepcopy(base).to(args.device), args=targs, train_dataset=data, sp=sp)
+        trainer.train()
+        got = {n: p.full_tensor().detach().cpu() if hasattr(p, "full_tensor") else p.detach().cpu()
+               for n, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters()}
+    start = {n: p.detach().double() for n, p in base.named_parameters()}
+    plain, ref = reference(torch.float32), reference(torch.float64)
+    moved = [{n: t[n].double() - start[n] for n in start} for t in (got, plain, ref)]
+    try:
+        assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2, "the Trainer did not run FSDP2"
+        _check(tolerance.by_layer(*moved))
+        _record(rows, **row, ok=True, S=S, steps=steps)
+    except AssertionError as exc:
+        _record(rows, **row, ok=False, error=str(exc)[:300])
+
+
 CHECKS = {"ring": lambda args, rows: gpu_speed.check_ring(args, rows, _record),
           "blocks": lambda args, rows: gpu_speed.check_blocks(args, rows, _record),
-          "kernels": check_kernels, "model": check_model}
+          "kernels": check_kernels, "model": check_model, "trainer_fsdp2": check_trainer_fsdp2}
 
 
 def main(argv=None) -> int:

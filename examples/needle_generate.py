@@ -51,9 +51,9 @@ def main() -> None:
         loss = model(**haystack(args.batch, args.train_len, None, step)).loss
         optimizer.zero_grad()
         loss.backward()
-        for q in model.parameters():  # sum over the sequence group, average over replicas
-            dist.all_reduce(q.grad, group=sp.grad_group)
-            q.grad /= sp.dp_size
+        for q in model.parameters():  # the gradient rule: average over all ranks, as DDP does
+            dist.all_reduce(q.grad)
+            q.grad /= dist.get_world_size()
         optimizer.step()
         if dist.get_rank() == 0 and step % 50 == 0:
             print(f"step {step}: answer loss {loss.item():.3f}", flush=True)

@@ -7,8 +7,8 @@
 
 Every rank of a sequence group loads the same full batch; ``shard_batch`` keeps this rank's
 slice (labels shifted first), the patched model runs on it, ``loss.cross_entropy`` returns the
-global loss, and gradients are summed over the sequence group (ringseq's gradient rule) and
-averaged over data-parallel replicas before the optimizer step.
+global loss, and every gradient is averaged over all ranks (ringseq's gradient rule: what DDP,
+FSDP2 and DeepSpeed do too) before the optimizer step.
 """
 import torch
 import torch.distributed as dist
@@ -33,9 +33,9 @@ def main(steps: int = 5, seq_len: int = 1024) -> None:
         loss = ringseq.loss.cross_entropy(model(**local).logits, labels, sp=sp)
         optimizer.zero_grad()
         loss.backward()
-        for p in model.parameters():  # sum over the sequence group, average over replicas
-            dist.all_reduce(p.grad, group=sp.grad_group)
-            p.grad /= sp.dp_size
+        for p in model.parameters():  # the gradient rule: average over all ranks, as DDP does
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
         optimizer.step()
         if dist.get_rank() == 0:
             print(f"step {step}: loss {loss.item():.4f}", flush=True)

@@ -82,9 +82,9 @@ def trained(sp, steps: int, seq_len: int, images: int, split_vision: bool = Fals
         loss = model(**batch).loss
         optimizer.zero_grad()
         loss.backward()
-        for p in model.parameters():  # summed over the sequence group, averaged over replicas
-            dist.all_reduce(p.grad, group=sp.grad_group)
-            p.grad /= sp.dp_size
+        for p in model.parameters():  # the gradient rule: average over all ranks, as DDP does
+            dist.all_reduce(p.grad)
+            p.grad /= dist.get_world_size()
         optimizer.step()
         bar.set_postfix(loss=f"{loss.item():.3f}")
     return model

@@ -1,16 +1,15 @@
 """Accelerate with ringseq: one call, ``ringseq.prepare_accelerator(accelerator, sp=sp)``.
 
-Accelerate has no plugin slot for another kind of sequence parallelism (its own ``sp_size`` is
-wired to DeepSpeed Ulysses), so ringseq adjusts one ``Accelerator`` instance, before its
-``prepare`` is called, in the three places where the sequence group matters:
+Accelerate has no plugin slot for another kind of sequence parallelism (its ``sp_size`` is wired
+to DeepSpeed Ulysses, its ``cp_size`` to torch's SDPA ring), so ringseq adjusts one ``Accelerator``
+instance, before its ``prepare`` is called, where the sequence group matters (FSDP2 and
+``cp_size``: ``ringseq.launch.accelerate_fsdp``):
 
 * **data** - ``prepare_data_loader`` shards over the data-parallel replicas only, so every rank
   of a sequence group draws the same batch (the patched model shards it along the sequence);
-* **gradients** - a DDP-wrapped model gets a communication hook that sums gradients over the
-  sequence x data ranks and divides by the number of replicas (ringseq's gradient rule; DDP's
-  own hook divides by the world size); a DeepSpeed engine gets ringseq's mpu, the ZeRO-3
-  corrections of ``ringseq.launch.deepspeed_glue`` and a ``train_batch_size`` counted over
-  replicas, not processes;
+* **gradients** - nothing: under ringseq's gradient rule (``ringseq.gradients``) the plain average
+  over every process that DDP, FSDP2 and DeepSpeed make is exact; a DeepSpeed engine is made by
+  ``ringseq.initialize`` (Accelerate's batch size already counts processes, as DeepSpeed does);
 * **metrics** - ``gather_for_metrics`` gathers one copy per sequence group (over the replicas).
 
 Without a GPU, Accelerate decides from the launcher's environment that there is no process group
@@ -32,14 +31,7 @@ import torch.distributed as dist
 from ringseq import versions
 from ringseq.errors import RingSeqError
 
-
-def check_parallelism(accelerator) -> None:
-    """Refuse Accelerate's own sequence/context parallelism next to ringseq's."""
-    pc = getattr(accelerator, "parallelism_config", None)
-    for name in ("sp_size", "cp_size", "tp_size"):
-        if pc is not None and getattr(pc, name, 1) > 1:
-            raise RingSeqError(f"Accelerate's parallelism_config has {name}={getattr(pc, name)}; ringseq already "
-                               f"splits the sequence. Unset it (ringseq's size comes from sp= or RINGSEQ_SP_SIZE)")
+from . import accelerate_fsdp
 
 
 def check_world(accelerator, sp) -> None:
@@ -49,13 +41,6 @@ def check_world(accelerator, sp) -> None:
                            f"{dist.get_world_size()} (without a GPU Accelerate finds no backend by itself): let "
                            f"ringseq.prepare_accelerator(sp=sp) create the Accelerator, or call ringseq.init() "
                            f"before TrainingArguments")
-
-
-def _sequence_hook(sp, bucket):
-    """DDP communication hook: sum over sequence x data ranks, divide by the replicas."""
-    tensor = bucket.buffer().div_(sp.dp_size)
-    work = dist.all_reduce(tensor, group=sp.grad_group, async_op=True)
-    return work.get_future().then(lambda fut: fut.value()[0])
 
 
 def _gather_replicas(sp, data):
@@ -73,14 +58,6 @@ def _gather_replicas(sp, data):
     return recursively_apply(gather_one, data, error_on_other_type=True)
 
 
-def _ds_config_for(sp, config: dict) -> dict:
-    """The ds_config Accelerate built, with a batch size counted over replicas, not processes."""
-    micro, gas = config.get("train_micro_batch_size_per_gpu"), config.get("gradient_accumulation_steps", 1)
-    if isinstance(micro, int) and isinstance(gas, int):
-        config = {**config, "train_batch_size": micro * gas * sp.dp_size}
-    return config
-
-
 @contextlib.contextmanager
 def _deepspeed_with_sp(sp):
     """Route Accelerate's ``deepspeed.initialize(**kwargs)`` through ``ringseq.initialize``."""
@@ -91,8 +68,8 @@ def _deepspeed_with_sp(sp):
     original = deepspeed.initialize
 
     def initialize(*, config=None, config_params=None, **kwargs):
-        config = _ds_config_for(sp, dict(config if config is not None else config_params))
-        return initialize_with(original, sp=sp, config=config, **kwargs)
+        config = dict(config if config is not None else config_params)
+        return initialize_with(original, sp=sp, config=config, batch_over="ranks", **kwargs)
 
     deepspeed.initialize = initialize
     try:
@@ -119,9 +96,9 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
 
     Call after ``ringseq.init`` and before ``accelerator.prepare``. With no ``accelerator``,
     creates ``accelerate.Accelerator(**accelerator_kwargs)`` on the process group ringseq joined
-    (on CPU too). Returns the accelerator. Raises ``RingSeqError`` when Accelerate's own
-    sequence/context/tensor parallelism is configured too, or when Accelerate missed the
-    process group.
+    (on CPU too; FSDP2 too, ``ringseq.launch.accelerate_fsdp``). Returns the accelerator. Raises
+    ``RingSeqError`` when Accelerate's Ulysses or tensor parallelism is configured too, a ``cp_size``
+    that is not ringseq's sequence group, or when Accelerate missed the process group.
     """
     versions.require("accelerate", "ringseq.prepare_accelerator (it overrides Accelerator._prepare_deepspeed, "
                                    "prepare_data_loader and PartialState's shared state)")
@@ -131,6 +108,7 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
 
     if accelerator is None:
         _settle_cpu_state()
+        accelerate_fsdp.settle_on_cpu(accelerator_kwargs.get("fsdp_plugin"), accelerator_kwargs.get("parallelism_config"))
         accelerator = Accelerator(**accelerator_kwargs)
     elif accelerator_kwargs:
         raise RingSeqError(f"Accelerator arguments {sorted(accelerator_kwargs)} are for a new Accelerator; "
@@ -140,8 +118,9 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
         if accelerator._ringseq is not sp:
             raise RingSeqError("this Accelerator is already prepared for another ringseq topology")
         return accelerator
-    check_parallelism(accelerator)
+    accelerate_fsdp.check_context_parallel(accelerator, sp)
     check_world(accelerator, sp)
+    accelerate_fsdp.no_torch_context_parallel(accelerator)
     accelerator._ringseq = sp
     cls = type(accelerator)
 
@@ -160,16 +139,6 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
             use_stateful_dataloader=self.use_stateful_dataloader)
         self._dataloaders.append(prepared)
         return prepared
-
-    def prepare_model_(self, model, device_placement=None, evaluation_mode=False):
-        model = cls.prepare_model(self, model, device_placement, evaluation_mode)
-        if isinstance(model, torch.nn.parallel.DistributedDataParallel) and sp.size > 1:
-            try:
-                model.register_comm_hook(sp, _sequence_hook)
-            except RuntimeError as err:
-                raise RingSeqError(f"ringseq registers its own DDP communication hook (sum over the sequence "
-                                   f"group); remove the one set through DistributedDataParallelKwargs: {err}") from err
-        return model
 
     def prepare_deepspeed_(self, *args):
         with _deepspeed_with_sp(sp):
@@ -191,7 +160,6 @@ def prepare_accelerator(accelerator=None, *, sp, **accelerator_kwargs):
         return data
 
     accelerator.prepare_data_loader = types.MethodType(prepare_data_loader_, accelerator)
-    accelerator.prepare_model = types.MethodType(prepare_model_, accelerator)
     accelerator.gather_for_metrics = types.MethodType(gather_for_metrics_, accelerator)
     if accelerator.distributed_type == DistributedType.DEEPSPEED:
         accelerator._prepare_deepspeed = types.MethodType(prepare_deepspeed_, accelerator)

@@ -3,7 +3,7 @@
 The user's script provides ``make_model()`` (a transformers causal LM) and ``make_batches()``
 (full batches: ``input_ids``, ``labels``, optionally ``attention_mask``/``position_ids``).
 Rank 0's weights and batches are sent to every rank. Each step runs the patched model across
-the ranks (gradients summed over the group: ringseq's rule) and, on rank 0, the unpatched
+the ranks (gradients averaged over the group: ringseq's rule) and, on rank 0, the unpatched
 model in the same dtype and in float64 on the same weights; all three then take the same SGD
 step. ringseq agrees when its error against float64 is at most twice the unpatched model's
 own error in the same dtype, plus a floor: the loss and every layer's gradient.
@@ -73,9 +73,10 @@ def main(argv=None) -> int:
     for step, batch in enumerate(batches):
         loss = model(**batch).loss
         loss.backward()
-        for p in model.parameters():
+        for p in model.parameters():  # the gradient rule: average each gradient over the ranks
             if p.grad is not None:
                 dist.all_reduce(p.grad, group=sp.group)
+                p.grad /= sp.size
         if rank == 0:
             plain_out, exact_out = single(**batch), exact(**batch)
             plain_loss, exact_loss = plain_out.loss, exact_out.loss

@@ -1,20 +1,13 @@
 """``ringseq.initialize``: ``deepspeed.initialize`` with sequence parallelism.
 
-DeepSpeed gets an mpu built from ringseq's topology (``sp.mpu``). With it, DeepSpeed 0.19.8
-ZeRO stages 0, 1 and 2 reduce gradients over the sequence x data group and divide by the
-data-parallel size: exactly ringseq's rule (sum over the sequence group, mean over replicas),
-checked against a single-process step by tests/integration/test_deepspeed.py.
-
-ZeRO-3 needs two corrections, both measured on DeepSpeed 0.19.8:
-
-* Given an mpu, DeepSpeed partitions a not-yet-partitioned model over
-  ``mpu.get_data_parallel_group()`` (data ranks only), while the optimizer reduces over the
-  partition group: with a sequence group each rank then trains on its own partial gradient
-  (no reduction at all; the loss stays exact, the step does not). ringseq partitions the
-  model itself first, over ``sp.grad_group`` (``deepspeed.zero.Init(module=...)``).
-* ZeRO-3's ``reduce_scatter`` path averages over the whole partition group, ignoring the
-  sequence size (``sp_size`` times too small); its all-reduce path divides by the data size
-  only. ringseq sets ``"reduce_scatter": false`` under ZeRO-3 and refuses an explicit ``true``.
+By ringseq's gradient rule (``ringseq.gradients``) each rank's backward leaves P times its share
+of every gradient, so DeepSpeed runs as plain data parallelism over every rank: no mpu, so ZeRO
+0-3 average each gradient over the world and ZeRO partitions over the world (a model built under
+``zero.Init`` or transformers' ZeRO-3 ``from_pretrained`` is already partitioned so). Checked
+against a single-process step by tests/integration/test_deepspeed.py. DeepSpeed therefore counts
+every rank as a replica; ringseq counts a sequence group as one, so a ``train_batch_size`` in the
+config (sequences per step over the replicas) is handed to DeepSpeed times ``sp_size``, and a
+``training_data`` loader is dealt over the replicas, not the ranks.
 """
 from __future__ import annotations
 
@@ -77,42 +70,15 @@ def load_ds_config(config) -> dict:
         return json.load(f)
 
 
-def zero3_ready(model, sp, ds_config: dict) -> dict:
-    """Under ZeRO-3 with a sequence group: partition ``model`` over ``sp.grad_group`` and turn
-    ZeRO-3's reduce_scatter off (see the module docstring). Returns the config to use."""
-    zero = ds_config.get("zero_optimization", {})
-    if zero.get("stage", 0) != 3 or sp.size == 1:
-        return ds_config
-    if zero.get("reduce_scatter") is True:
-        raise RingSeqError('ZeRO-3\'s reduce_scatter averages gradients over the sequence ranks too (DeepSpeed '
-                           '0.19.8); remove "reduce_scatter": true from zero_optimization (ringseq turns it off)')
-    ds_config = {**ds_config, "zero_optimization": {**zero, "reduce_scatter": False}}
-    if model is None:
-        return ds_config
-    import deepspeed
-    import torch.distributed as dist
-    from deepspeed.runtime.zero.partition_parameters import is_zero_param
-
-    want = dist.get_process_group_ranks(sp.grad_group)
-    params = list(model.parameters())
-    for p in params:
-        if is_zero_param(p) and dist.get_process_group_ranks(p.ds_process_group) != want:
-            raise RingSeqError(f"the model is already partitioned by ZeRO-3 over ranks "
-                               f"{dist.get_process_group_ranks(p.ds_process_group)}; with sequence parallelism it "
-                               f"must be partitioned over {want} (build it outside zero.Init, or pass "
-                               f"data_parallel_group=sp.grad_group to deepspeed.zero.Init)")
-    if not any(is_zero_param(p) for p in params):  # a partly converted model keeps its (checked) group
-        deepspeed.zero.Init(module=model, data_parallel_group=sp.grad_group, config_dict_or_path=ds_config, mpu=sp.mpu)
-    return ds_config
-
-
 def initialize(*, sp=None, model=None, config=None, model_parameters=None, optimizer=None, **kwargs):
     """``deepspeed.initialize(model=..., config=..., ...)`` plus sequence parallelism.
 
     ``sp`` is a ``SequenceParallel`` from ``ringseq.init``; when omitted it is built from the
     ds_config's ``"ringseq"`` section (``{"sp_size": 2, "ulysses_size": 1, "layout": "zigzag"}``),
     else from ``RINGSEQ_*`` (default: one sequence over all ranks), as ``ringseq.Trainer`` does.
-    The model is patched (``ringseq.patch``) if it is not yet. Returns DeepSpeed's
+    The model is patched (``ringseq.patch``) if it is not yet. ``train_batch_size`` counts the
+    sequences of a step over the replicas (a sequence group holds one at a time), as
+    ``per_device_train_batch_size x gradient_accumulation_steps x replicas``. Returns DeepSpeed's
     ``(engine, optimizer, dataloader, lr_scheduler)``.
     """
     import deepspeed
@@ -121,11 +87,12 @@ def initialize(*, sp=None, model=None, config=None, model_parameters=None, optim
                            model_parameters=model_parameters, optimizer=optimizer, **kwargs)
 
 
-def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs):
+def initialize_with(ds_initialize, *, sp=None, model=None, config=None, batch_over: str = "replicas", **kwargs):
     """``initialize`` calling ``ds_initialize`` (``deepspeed.initialize``, or the original of it
-    while Accelerate's call is routed here by ``ringseq.launch.accelerate_glue``)."""
-    versions.require("deepspeed", "ringseq.initialize (its ZeRO-3 partitioning and reductions are corrected for "
-                                  "the release measured)")
+    while Accelerate's call is routed here by ``ringseq.launch.accelerate_glue``). ``batch_over``:
+    whether the config's ``train_batch_size`` counts sequences over the "replicas" (a user's config)
+    or over the "ranks" (Accelerate's, made from its process count: DeepSpeed's own count)."""
+    versions.require("deepspeed", "ringseq.initialize (its reductions are read for the release measured)")
     import deepspeed
 
     from ringseq import patch
@@ -138,7 +105,8 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
     section, ds_config = from_ds_config(load_ds_config(config))
     sp = resolve(sp, section)
     if kwargs.get("mpu") is not None:
-        raise RingSeqError("ringseq.initialize provides the mpu itself; do not pass mpu= (nor Accelerate's sp_size)")
+        raise RingSeqError("ringseq.initialize gives DeepSpeed no mpu (every rank is data-parallel under ringseq's "
+                           "gradient rule); do not pass mpu= (nor Accelerate's sp_size)")
     kwargs.pop("mpu", None)
     if model is not None and getattr(model, "_ringseq_patch", None) is None and hasattr(model, "config"):
         patch(model, sp=sp)
@@ -146,7 +114,15 @@ def initialize_with(ds_initialize, *, sp=None, model=None, config=None, **kwargs
     if handle is not None:  # what patch(fit=True) costs: the ZeRO stage's shards of gradients and weights
         stage = ds_config.get("zero_optimization", {}).get("stage", 0)
         handle.zero_stage = stage if isinstance(stage, int) and 0 <= stage <= 3 else 0
-    ds_config = zero3_ready(model, sp, ds_config)
-    engine, opt, loader, sched = ds_initialize(model=model, config=ds_config, mpu=sp.mpu, **kwargs)
+    if batch_over == "replicas" and isinstance(ds_config.get("train_batch_size"), int):
+        ds_config = {**ds_config, "train_batch_size": ds_config["train_batch_size"] * sp.size}
+    data = kwargs.pop("training_data", None)
+    engine, opt, loader, sched = ds_initialize(model=model, config=ds_config, **kwargs)
+    if data is not None:  # every rank of a sequence group draws the same batches
+        from torch.utils.data.distributed import DistributedSampler
+
+        loader = engine.deepspeed_io(data, collate_fn=kwargs.get("collate_fn"), data_sampler=DistributedSampler(
+            data, num_replicas=sp.dp_size, rank=sp.dp_rank))
+        engine.training_dataloader = loader
     engine.ringseq = sp
     return engine, opt, loader, sched

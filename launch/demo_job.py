@@ -118,8 +118,9 @@ def main(argv=None) -> None:
                 with torch.no_grad():
                     log["twin_losses"].append(twin(**batch).loss.item())
                 twin_seconds += time.perf_counter() - tick
-            for p in model.parameters():  # the gradient rule: sum each gradient over the sequence group
-                dist.all_reduce(p.grad, group=sp.group)
+            for p in model.parameters():  # the gradient rule: average each gradient over all ranks
+                dist.all_reduce(p.grad)
+                p.grad /= dist.get_world_size()
             optimizers[name].step()
             log["losses"][name].append(loss.item())
         if (step + 1) % EVAL_EVERY == 0 or step + 1 == args.steps:

@@ -8,8 +8,8 @@ A sequence group acts as one TRL process; data-parallel replicas act as TRL's pr
   prompt + completion, TRL's own chunked kernel scores this rank's tokens at GRPO's temperature
   (no [S, V] logits), and the per-token log-probs and entropies are all-gathered into global
   order. Every rank then computes TRL's loss from exactly the one-process numbers; its backward
-  gives this rank's share of each gradient (the gradient rule), summed over the group and
-  averaged over replicas by the Trainer glue. The policy, the reference model (``beta > 0``:
+  gives P times this rank's share of each gradient (the gradient rule, ``ringseq.gradients``),
+  which the engine's average over every rank turns into the one-process gradient. The policy, the reference model (``beta > 0``:
   patched too, or the PEFT model with its adapter off) and the old policy are scored this way.
 * **rollouts** - every rank of a group draws the same prompts (the data is sharded over
   replicas) and generates with the patched model's ``generate`` (prompt prefilled through the

@@ -8,8 +8,8 @@ What changes against the stock Trainer, and why (``SequenceParallelMixin``, shar
 * the dataloaders are sharded over data-parallel replicas, not processes
   (``ringseq.launch.accelerate_glue``), so an optimizer step covers
   ``per_device_train_batch_size x gradient_accumulation_steps x dp_size`` samples;
-* gradients are summed over the sequence group and averaged over replicas (DeepSpeed through
-  ringseq's mpu, DDP through a communication hook), under ZeRO 0-3;
+* gradients: the engine's own average over every rank (DDP, FSDP2, DeepSpeed ZeRO 0-3) is exact
+  under ringseq's gradient rule (``ringseq.gradients``);
 * the token count that normalises the loss (``num_items_in_batch``) is counted once per
   replica: the stock Trainer gathers it from every process, which counts each sequence group's
   batch ``sp_size`` times, and scales the loss by the world size instead of the replicas;
@@ -25,19 +25,24 @@ the sharded dataloader skips the same batches on every rank of a group.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 import inspect
 import math
 
+import torch
+
 import transformers
 
 from ringseq import versions
-from ringseq.config import from_ds_config
+from ringseq.config import from_ds_config, from_env
 from ringseq.errors import RingSeqError
 from ringseq.layouts import multiple
 from ringseq.stats import stats
-from ringseq.topology import resolve
+from ringseq.topology import init, resolve
 
+from .accelerate_fsdp import settle_on_cpu
 from .accelerate_glue import prepare_accelerator
 from .deepspeed_glue import load_ds_config
 
@@ -48,8 +53,17 @@ def _ds_section(args):
 
 
 def resolve_sp(sp, args):
-    """``sp`` as given (checked against a ds_config section), else the section, else RINGSEQ_*."""
-    return resolve(sp, _ds_section(args))
+    """``sp`` as given (checked against a ds_config section), else the section, else the
+    ``cp_size`` of ``args.parallelism_config`` (Accelerate's context parallelism: ringseq's ring runs
+    over its ``cp`` dimension), else RINGSEQ_*."""
+    section = _ds_section(args)
+    cp = getattr(getattr(args, "parallelism_config", None), "cp_size", None) or 1
+    if sp is None and section is None and cp > 1:
+        config = from_env()
+        if config.sp_size not in (None, cp):
+            raise RingSeqError(f"parallelism_config has cp_size={cp} but RINGSEQ_SP_SIZE={config.sp_size}: give one")
+        return init(config=dataclasses.replace(config, sp_size=cp))
+    return resolve(sp, section)
 
 
 def import_trl(what: str):
@@ -81,6 +95,7 @@ class SequenceParallelMixin:
     ``self.sp``: data over replicas, token counts once per replica, metrics slab by slab."""
 
     def create_accelerator_and_postprocess(self) -> None:
+        settle_on_cpu(getattr(self.args, "fsdp_plugin_args", None), getattr(self.args, "parallelism_config", None))
         super().create_accelerator_and_postprocess()
         prepare_accelerator(self.accelerator, sp=self.sp)
         self.gather_function = self.accelerator.gather_for_metrics
@@ -93,9 +108,15 @@ class SequenceParallelMixin:
 
     def _get_num_items_in_batch(self, batch_samples, device):
         count = super()._get_num_items_in_batch(batch_samples, device)
+        if torch.is_tensor(count):  # the stock count divides by cp_size, for torch's ring's in-place shards
+            count = count * self.get_cp_size()
         if count is not None and self.args.average_tokens_across_devices and self.args.world_size > 1:
             count = count / self.sp.size  # gathered from every process: each group's batch sp_size times
         return count
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """The patched model shards the full batch itself: torch's context parallelism never runs."""
+        return contextlib.nullcontext, inputs
 
     def _track_num_input_tokens(self, inputs):
         before = self.state.num_input_tokens_seen

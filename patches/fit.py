@@ -125,8 +125,11 @@ def _setting(model, handle) -> planner_fit.Setting:
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() if cuda else world) or world)
     U = sp.size // sp.ring_size
-    return planner_fit.Setting(spec=model_spec(model.config.get_text_config()), hw=hw, zero_stage=handle.zero_stage,
-                               ring=sp.ring_size, ulysses=U, gpus=world, per_node=max(1, min(per_node, world)),
+    stage, shards = handle.zero_stage, world  # DeepSpeed shards over the world; FSDP over its shard dimension
+    if handle.sharding is not None:
+        stage, shards = handle.sharding.stage, handle.sharding.ranks
+    return planner_fit.Setting(spec=model_spec(model.config.get_text_config()), hw=hw, zero_stage=stage,
+                               ring=sp.ring_size, ulysses=U, gpus=shards, per_node=max(1, min(per_node, world)),
                                layout=sp.layout, may_tile=True, may_offload=cuda)
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ringseq import lockstep
+from ringseq import engines, lockstep
 from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
@@ -91,6 +91,8 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
         return cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask, position_ids,
                               logits_to_keep, kwargs)
+    if torch.is_grad_enabled():  # the engine around the model must average as the gradient rule needs
+        handle.sharding = engines.check(self, handle.sp) or handle.sharding
     _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)

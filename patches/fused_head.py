@@ -9,8 +9,8 @@ the decoder runs on this rank's shard, TRL's own kernel (``trl.kernels.ChunkedLo
 scores this rank's tokens, and the per-token fields are all-gathered into global token order
 (S numbers per sample, differentiably: ``ringseq.gather``'s backward keeps this rank's slice).
 Every rank then holds exactly what the unsplit model would have returned, so TRL's loss
-(a sum over the fields) is the global loss, its gradient is this rank's share (the gradient
-rule) and its metrics are the one-process metrics.
+(a sum over the fields) is the global loss, its gradient is P times this rank's share (the
+gradient rule, through ``ringseq.gather``) and its metrics are the one-process metrics.
 
 TRL's GRPO installs its head with a sampling temperature (the logits are divided by it) and
 optionally an fp32 projection (``cast_lm_head_to_fp32``); the trainer that patches the model
@@ -56,6 +56,19 @@ def _global(local: torch.Tensor, batch, drop_last: bool) -> torch.Tensor:
     return full[:, : full.size(1) - 1] if drop_last else full
 
 
+def _head_tensors(head):
+    """The head's weight and bias as the kernel reads them. Under FSDP2 a head that is (in) a group of
+    its own (Accelerate shards ``lm_head`` apart from the root) stays sharded until its forward runs,
+    which the fused head never calls: it is unsharded here, and FSDP2 reduces its gradient and
+    reshards it at the end of the backward, as for a group its forward left unsharded."""
+    if hasattr(head.weight, "full_tensor") and hasattr(head, "unshard"):
+        head.unshard()
+    if hasattr(head.weight, "full_tensor"):
+        raise RingSeqError("the LM head's weight is still sharded by FSDP2 where TRL's fused head reads it: shard the "
+                           "head in a group of its own (fully_shard(lm_head)) or with the root")
+    return head.weight, head.bias
+
+
 def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_items_in_batch=None, aux_loss=None):
     """TRL's ``FusedCausalLMOutput`` of the whole sequence from this rank's final hidden states
     [B, s, d] and the batch's shifted targets (``ShardedBatch.labels``)."""
@@ -67,8 +80,7 @@ def fused_outputs(model, batch, hidden: torch.Tensor, *, drop_last: bool, num_it
         raise RingSeqError("fused_lm_head=True needs labels (or shift_labels)")
     config = model.config.get_text_config()
     _check_head(config)
-    head = model.get_output_embeddings()
-    weight, bias = head.weight, head.bias
+    weight, bias = _head_tensors(model.get_output_embeddings())
     mask = targets != IGNORE
     options = model._ringseq_patch.fused_head
     hidden = hidden.reshape(-1, hidden.size(-1))

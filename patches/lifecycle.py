@@ -63,6 +63,9 @@ class PatchHandle:
     """``patches.fit.Fit`` when the planner sets the memory switches (``patch(fit=True)``), else None."""
     zero_stage: int = 0
     """DeepSpeed's ZeRO stage the model trains under (set by ``ringseq.initialize``): what fit costs."""
+    sharding: object = None
+    """The FSDP engine's sharding found at a training forward (``ringseq.engines.Sharding``): what fit costs
+    instead (FSDP2 as ZeRO-3 over its shard dimension)."""
     vision: object = None
     """A vision-language model's plan (``patches.vision.VisionPlan``: the text sub-config whose attention is
     ringseq's, whether the images are shared among the ranks); None for a text model."""

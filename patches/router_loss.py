@@ -6,8 +6,8 @@ one) is ``E x sum_e f_e P_e``: ``f_e`` the share of top-k assignments that went 
 weighted out by the attention mask). Means of the whole batch do not split into per-rank
 means, so each rank sums its own tokens' assignments, probabilities and token count, one
 all-reduce adds them up, and the loss takes the global value with the gradient of this rank's
-own probabilities (``f_e`` carries none: it comes from a top-k); summed over the group the
-gradients are the unpatched model's. At patch time the family's own function is run on random
+own probabilities (``f_e`` carries none: it comes from a top-k), times the gradient rule's factor
+(``ringseq.gradients``): averaged over the group the gradients are the unpatched model's. At patch time the family's own function is run on random
 router logits beside this one, so a family whose function differs is refused, never
 approximated.
 """
@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from ringseq import lockstep
 from ringseq.errors import RingSeqError
+from ringseq.gradients import scaled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,4 +117,5 @@ def aux_loss(router_logits, loss: RouterLoss, batch, attention_mask: torch.Tenso
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the router loss sums", peer=None)
     E = loss.experts  # the global value, the gradient of this rank's probabilities (assignments carry none)
-    return _value(total, loss, probs=local[E:2 * E] + (total[E:2 * E] - local[E:2 * E]).detach())
+    mine = local[E:2 * E]
+    return _value(total, loss, probs=scaled(mine, sp) + (total[E:2 * E] - mine).detach())

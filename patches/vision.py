@@ -10,7 +10,7 @@ intercepted (``language_model.forward`` is replaced for the duration of the call
 merged embeddings, positions, padding and labels are sharded by the layout and the language
 model runs on this rank's shard with the ring. Every rank holds the same merged embeddings, so
 each rank's gradient reaches the vision tower and projector only through its own tokens: the
-gradients summed over the sequence group are the unpatched model's.
+ranks' shares add up to the unpatched model's gradients (``ringseq.gradients``).
 
 The vision tower's attention is never ringseq's: only the text sub-config's implementation is
 changed (``set_attn_implementation({text key: "ringseq"})``). ``split_vision`` (``vision_split``)

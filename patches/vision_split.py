@@ -12,8 +12,8 @@ the model's own code.
 
 The gather is exact in backward too: rank r's loss reaches every image's features, but only
 through its own tokens; the features' gradient is summed over the group (one all-reduce of the
-image features' size) and each rank takes its units' rows, so the vision tower's gradients
-summed over the group are the single-device ones.
+image features' size) and each rank takes its units' rows, so the vision tower's gradient
+shares add up over the group to the single-device ones.
 """
 from __future__ import annotations
 

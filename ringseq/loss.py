@@ -3,9 +3,10 @@
 The rule, stated once: every rank computes the token-loss SUM over its own tokens and divides
 by the GLOBAL number of valid tokens (all ranks of the sequence group together). The value a
 rank returns is the global loss (the other ranks' sums are added without gradient), and its
-backward gives that rank's share of each parameter gradient. Summing a parameter's gradient
-over the sequence group therefore gives the single-device gradient: gradients are summed over
-the sequence group, never re-averaged. Data-parallel ranks average as usual.
+backward gives P times that rank's share of each parameter gradient (``ringseq.gradients``): the
+mean of a parameter's gradient over the sequence group is the single-device gradient, so every
+engine's plain average over all ranks (DDP, FSDP2, DeepSpeed, a raw loop's all-reduce / world
+size) gives the single-device gradient averaged over the data-parallel replicas.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from torch.utils.checkpoint import checkpoint
 
 from . import lockstep
 from .errors import RingSeqError
+from .gradients import scaled
 from .slabs import SLAB_BYTES, slab_tokens  # noqa: F401 - part of this module's interface
 
 IGNORE = -100
@@ -24,15 +26,15 @@ IGNORE = -100
 
 def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torch.Tensor:
     """local_sum / count with the value of sum-over-ranks / count and the gradient of the local
-    part. The sums are float64 (a scalar per rank: free), so the loss is the exact mean rounded
-    once to ``dtype``, however the tokens were split. No target at all (every label -100) gives
-    NaN, as the unpatched model's mean over no tokens does."""
+    part, times the gradient rule's factor. The sums are float64 (a scalar per rank: free), so the
+    loss is the exact mean rounded once to ``dtype``, however the tokens were split. No target at
+    all (every label -100) gives NaN, as the unpatched model's mean over no tokens does."""
     total = local_sum.detach().clone()
     if sp.size > 1:
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the loss sums", peer=None)
     count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
-    return ((local_sum + (total - local_sum.detach())) / count).to(dtype)
+    return ((scaled(local_sum, sp) + (total - local_sum.detach())) / count).to(dtype)
 
 
 def _token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,10 +1,12 @@
-"""The model-parallel-unit object DeepSpeed asks for (``deepspeed.initialize(mpu=...)``).
+"""The model-parallel unit DeepSpeed may be given (``deepspeed.initialize(mpu=sp.mpu)``).
 
-DeepSpeed reads the method names below (``deepspeed/utils/groups.py``). With a sequence
-group present it reduces gradients over ``get_sequence_data_parallel_group`` (sequence x data
-ranks), which is what ringseq's gradient rule needs: a gradient summed over the sequence
-ranks, averaged over the data ranks. There is no tensor or pipeline parallelism, so those
-groups hold this rank alone.
+By ringseq's gradient rule (``ringseq.gradients``) every rank's backward leaves P times its share
+of each gradient, so the plain average over all ranks is exact: DeepSpeed must treat every rank as
+data-parallel, reduce over the world and divide by the world size, under every ZeRO stage (ZeRO-3
+then also partitions over the world). That is what DeepSpeed does without an mpu, and what this
+one says: it declares no sequence parallelism (an mpu that did would make DeepSpeed sum over the
+sequence ranks and divide by the replicas only), and no tensor or pipeline parallelism.
+``ringseq.initialize`` passes none; this exists so that code that passes ``sp.mpu`` stays exact.
 """
 from __future__ import annotations
 
@@ -12,44 +14,21 @@ import torch.distributed as dist
 
 
 class SequenceParallelMPU:
-    def __init__(self, *, group, rank, size, dp_group, dp_rank, dp_size, grad_group):
-        self._sp = (group, rank, size)
-        self._dp = (dp_group, dp_rank, dp_size)
-        self._grad_group = grad_group
+    def __init__(self):
         self._alone = None  # made on first use: most users never ask for it
 
-    # sequence parallelism
-    def get_sequence_parallel_group(self):
-        return self._sp[0]
-
-    def get_sequence_parallel_rank(self):
-        return self._sp[1]
-
-    def get_sequence_parallel_world_size(self):
-        return self._sp[2]
-
-    # sequence x data: the group over which replicated weights reduce their gradients
-    def get_sequence_data_parallel_group(self):
-        return self._grad_group
-
-    def get_sequence_data_parallel_rank(self):
-        return dist.get_rank(self._grad_group)
-
-    def get_sequence_data_parallel_world_size(self):
-        return dist.get_world_size(self._grad_group)
-
-    # data parallelism
+    # data parallelism: every rank
     def get_data_parallel_group(self):
-        return self._dp[0]
+        return dist.group.WORLD
 
     def get_data_parallel_rank(self):
-        return self._dp[1]
+        return dist.get_rank()
 
     def get_data_parallel_world_size(self):
-        return self._dp[2]
+        return dist.get_world_size()
 
     def get_data_parallel_group_ranks(self):
-        return dist.get_process_group_ranks(self._dp[0])
+        return list(range(dist.get_world_size()))
 
     # no tensor or pipeline parallelism: groups of one
     def get_model_parallel_group(self):

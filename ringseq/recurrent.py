@@ -12,7 +12,7 @@ each rank folds the summaries of every run before its own, in global order, into
 entering states (zigzag: its two runs are far apart and fold separately), and corrects its
 outputs: ``out = out_0 + R(S_in)``. Backward is autograd through the kernel, the fold and a
 gather whose backward sums the summaries' gradients over the group (every later run on every
-rank read them), so the SP-summed gradients are the unpatched model's.
+rank read them), so the ranks' gradient shares add up to the unpatched model's.
 
 The depthwise causal convolution in front of these layers needs the last ``W - 1`` inputs before
 each run: one all-gather of every run's tail (``halo``), also with a summing backward.

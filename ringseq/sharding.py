@@ -1,13 +1,14 @@
 """Full tensor <-> this rank's shard, by the layout of a ``SequenceParallel``.
 
 ``shard`` needs no communication; ``gather`` all-gathers over the sequence group. Both are
-differentiable under ringseq's gradient rule: each rank's backward yields its own share, and
-the shares summed over the sequence group equal the single-device gradient. So
+differentiable:
 
 - ``shard`` backward places the incoming gradient at this rank's positions, zeros elsewhere;
-- ``gather`` backward keeps this rank's slice of the incoming gradient (no communication):
-  every rank computes the same function of the gathered tensor, so summing the slices over
-  the group gives the full gradient exactly once.
+- ``gather`` backward keeps this rank's slice of the incoming gradient (no communication),
+  times the gradient rule's factor P (``ringseq.gradients``): every rank computes the same
+  function of the gathered tensor, so the slices summed over the group give the full gradient
+  exactly once, and their mean (what the engines take) gives it after the factor. A gather is
+  where a loss over the whole sequence begins, as ``ringseq.loss`` is.
 
 The gather has its own autograd function because ``torch.distributed.nn.functional``
 collectives crash in backward on gloo subgroups that do not contain global rank 0.
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 from . import lockstep
 from .errors import RingSeqError
+from .gradients import factor
 from .layouts import check_length, gather_order, layout_code, segments, sp_positions
 from .topology import check_sp
 
@@ -55,12 +57,14 @@ def _all_gather(local: torch.Tensor, dim: int, sp) -> torch.Tensor:
 
 
 class _Gather(torch.autograd.Function):
-    """Forward: all-gather over the sequence group. Backward: keep this rank's slice."""
+    """Forward: all-gather over the sequence group. Backward: keep this rank's slice, times the
+    gradient rule's factor (``ringseq.gradients``: every rank computes the same loss of the whole
+    tensor, and the engines average the ranks' gradients)."""
 
     @staticmethod
     def forward(ctx, local, dim, sp, layout):
         P, U, r = sp.ring_size, sp.ulysses_size, sp.rank
-        ctx.meta = (dim, layout, P, r, U)
+        ctx.meta, ctx.sp = (dim, layout, P, r, U), sp
         S = local.size(dim) * P * U
         joined = _all_gather(local, dim, sp)
         return joined.index_select(dim, gather_order(layout, S, P, U).to(local.device))
@@ -68,7 +72,7 @@ class _Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dim, layout, P, r, U = ctx.meta
-        return shard_tensor(grad, dim, layout, P, r, U), None, None, None
+        return shard_tensor(grad, dim, layout, P, r, U) * factor(ctx.sp), None, None, None
 
 
 def shard(x: torch.Tensor, dim: int, sp) -> torch.Tensor:

@@ -144,8 +144,8 @@ def launcher_env(launcher, world: int) -> dict:
         fields = list(defaults.deepspeed_config.keys()) if defaults else []
         args.deepspeed_fields_from_accelerate_config = ",".join(fields + ["mixed_precision"] * mixed_from_config)
         env = prepare_deepspeed_cmd_env(args)[1]
-    else:
-        assert args.multi_gpu, f"a pool runs multi-process launches: {flags}"
+    else:  # as launch_command: FSDP through the multi-GPU launcher too
+        assert args.multi_gpu or args.use_fsdp, f"a pool runs multi-process launches: {flags}"
         env = prepare_multi_gpu_env(args)
     return {**one_thread, **{k: v for k, v in env.items() if os.environ.get(k) != v}}
 
@@ -364,7 +364,7 @@ def assert_named_close(got: dict, plain: dict, ref64: dict, what: str, rounded: 
 
 
 def assert_model_close(loss, grads: dict, plain_loss, plain_grads: dict, ref_loss, ref_grads: dict, what: str) -> None:
-    """A model's loss (``assert_close``) and gradients (``assert_named_close``), summed over the
+    """A model's loss (``assert_close``) and gradients (``assert_named_close``), averaged over the
     sequence group, against the plain same-dtype run and the float64 run."""
     assert_close(torch.as_tensor(loss), torch.as_tensor(plain_loss), torch.as_tensor(ref_loss).double(),
                  f"{what}: loss")

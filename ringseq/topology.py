@@ -61,22 +61,54 @@ class SequenceParallel:
     ulysses_rank: int
     ulysses_size: int
     grad_group: dist.ProcessGroup
-    """All ranks that hold a replica of the weights (sequence x data): gradients are summed
-    over it and divided by ``dp_size``."""
+    """All ranks that hold a replica of the weights (sequence x data): every gradient is averaged
+    over it (``ringseq.gradients``)."""
     timeout: float
     """Seconds any ringseq wait may take before it raises ``RingSeqError``."""
     stats: bool
     """Whether waits and block computes are timed, and each batch's attention work per rank counted,
     for ``ringseq.stats``."""
     mpu: object
-    """DeepSpeed model-parallel-unit view of this topology (``ringseq.launch`` uses it)."""
+    """The model-parallel unit to give DeepSpeed, if any (``ringseq.mpu``): every rank data-parallel,
+    as ringseq's gradient rule wants DeepSpeed to average over all of them."""
     check_group: dist.ProcessGroup | None = None
     """A CPU (gloo) group over the ranks of ``group``, for the lockstep records
     (``ringseq.lockstep``); ``group`` itself unless that is NCCL."""
+    sequence_groups: tuple[tuple[int, ...], ...] = ()
+    """Every sequence group's global ranks (``ringseq.engines`` checks that an engine averages over
+    whole groups)."""
+    dp_replicate: int = 1
+    """How many of the ``dp_size`` replicas are pure replicas (HSDP's outer dimension) in ``mesh``;
+    the rest, ``dp_size / dp_replicate``, is its ``dp_shard`` dimension."""
+    _meshes: dict = dataclasses.field(default_factory=dict, repr=False)
+    """The mesh given to ``init`` or made on first use ("root") and its flattened ones (``meshes``)."""
 
     @property
     def nccl(self) -> bool:
         return self.check_group is not self.group
+
+    @property
+    def mesh(self):
+        """The torch ``DeviceMesh`` of this topology (``ringseq.meshes``): the one given to
+        ``ringseq.init(mesh=)``, else ``(dp_replicate, dp_shard, cp, ulysses)`` made on first use.
+        Every rank must ask for it (the first time makes process groups)."""
+        from . import meshes
+
+        if "root" not in self._meshes:
+            grid = torch.tensor(self.sequence_groups).reshape(self.dp_size, self.ring_size, self.ulysses_size)
+            self._meshes["root"] = meshes.made(grid, self.dp_replicate)
+        return self._meshes["root"]
+
+    @property
+    def meshes(self) -> dict:
+        """The flattened meshes torchtitan uses, by name (``ringseq.meshes``): ``dp_shard_cp``, ``dp``,
+        ``dp_cp``, and ``fsdp``, the one to hand ``fully_shard``: ``fully_shard(layer,
+        mesh=sp.meshes["fsdp"])``. Every rank must ask for them (the first time makes process groups)."""
+        from . import meshes
+
+        if "fsdp" not in self._meshes:
+            self._meshes.update(meshes.flattened(self.mesh))
+        return {name: mesh for name, mesh in self._meshes.items() if name != "root"}
 
 
 def check_sp(sp) -> None:
@@ -159,7 +191,7 @@ def _build_groups(lists: list[list[int]], me: int, made: dict, **options):
 
 
 def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigzag", *, timeout: float | None = None,
-         backend: str | None = None, config: RingSeqConfig | None = None) -> SequenceParallel:
+         backend: str | None = None, config: RingSeqConfig | None = None, mesh=None) -> SequenceParallel:
     """Carve the world into sequence groups and return this rank's ``SequenceParallel``.
 
     ``sp_size`` ranks hold one sequence (None: the whole world): ``sp_size / ulysses_size`` of
@@ -169,7 +201,10 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
     ``RINGSEQ_TIMEOUT``, else 600). ``config``: a ``ringseq.config.RingSeqConfig`` instead of
     the other settings (``ringseq.init(config=ringseq.config.from_env())`` reads ``RINGSEQ_*``).
     Joins the launcher's process group (torchrun, deepspeed, accelerate; on CUDA after binding
-    ``LOCAL_RANK``'s GPU), or starts a one-process world.
+    ``LOCAL_RANK``'s GPU), or starts a one-process world. ``mesh``: a torch ``DeviceMesh`` over
+    the world instead of the sizes, its sequence dimension named ``cp`` (or ``sp``), data
+    dimensions ``dp_replicate`` / ``dp_shard`` and ``ulysses`` where used (``ringseq.meshes``);
+    ``sp.mesh`` gives it back, with the flattened dimensions ``fully_shard`` takes.
     """
     from .mpu import SequenceParallelMPU
 
@@ -181,9 +216,18 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
     ensure_process_group(backend)
     settle_at_exit()
     world, me = dist.get_world_size(), dist.get_rank()
+    dp_replicate = 1
+    if mesh is not None:
+        from . import meshes
+
+        ranks, sizes = meshes.grid_of(mesh, world)
+        meshes.check_sizes(sizes, config.sp_size, config.ulysses_size)
+        config = dataclasses.replace(config, sp_size=sizes["cp"] * sizes["ulysses"], ulysses_size=sizes["ulysses"])
+        dp_replicate = sizes["dp_replicate"]
     config.check_world(world)
     sp_size, ulysses_size, layout = config.sp_size or world, config.ulysses_size, config.layout
-    ranks = grid(world, sp_size, ulysses_size, _nodes(world))
+    if mesh is None:
+        ranks = grid(world, sp_size, ulysses_size, _nodes(world))
     coord = [int(c) for c in (ranks == me).nonzero()[0]]
 
     made: dict = {}
@@ -204,10 +248,10 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
         ring_group=ring_group, ring_rank=coord[1], ring_size=ranks.size(1), ring_ranks=ring_ranks,
         ulysses_group=ulysses_group, ulysses_rank=uly_ranks.index(me), ulysses_size=ulysses_size,
         grad_group=dist.group.WORLD, timeout=config.resolved_timeout(), stats=config.resolved_stats(),
-        check_group=check_group)
-    mpu = SequenceParallelMPU(**{k: fields[k] for k in (
-        "group", "rank", "size", "dp_group", "dp_rank", "dp_size", "grad_group")})
-    sp = SequenceParallel(**fields, mpu=mpu)
+        check_group=check_group, sequence_groups=tuple(map(tuple, sequence_lists(ranks))), dp_replicate=dp_replicate)
+    sp = SequenceParallel(**fields, mpu=SequenceParallelMPU())
+    if mesh is not None:
+        sp._meshes["root"] = mesh
     peers.connect(sp)  # the store client the failure notes need, made before any failure
     return sp
 

@@ -1,5 +1,6 @@
 """Test bodies that run on every rank of a DistPool (they must be importable by the workers)."""
 import itertools
+import re
 
 import torch
 import torch.distributed as dist
@@ -118,8 +119,8 @@ def traffic(layout, dtype_name):
 
 
 def shard_gather_roundtrip(layout):
-    """gather(shard(x)) == x; gather's backward gives each rank its slice, and the slices
-    summed over the group equal the single-process gradient."""
+    """gather(shard(x)) == x; gather's backward gives each rank its slice times the group size (the
+    gradient rule), and the slices averaged over the group equal the single-process gradient."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world, layout=layout)
     g = torch.Generator().manual_seed(1)
@@ -128,10 +129,10 @@ def shard_gather_roundtrip(layout):
     full = ringseq.gather(ringseq.shard(x, 1, sp=sp), 1, sp=sp)
     assert torch.equal(full, x)
     (full * w).sum().backward()
-    summed = x.grad.clone()
-    dist.all_reduce(summed, group=sp.group)
-    assert torch.equal(summed, w)
-    assert torch.equal(ringseq.shard(x.grad, 1, sp=sp), ringseq.shard(w, 1, sp=sp))
+    averaged = x.grad.clone()
+    dist.all_reduce(averaged, group=sp.group)
+    assert torch.equal(averaged / world, w)
+    assert torch.equal(ringseq.shard(x.grad, 1, sp=sp), ringseq.shard(w, 1, sp=sp) * world)
 
 
 def topology(sp_size):
@@ -142,15 +143,70 @@ def topology(sp_size):
     assert sp.rank == me % sp_size and dist.get_rank(sp.group) == sp.rank
     assert dist.get_process_group_ranks(sp.dp_group) == list(range(me % sp_size, world, sp_size))
     assert sp.dp_rank == me // sp_size
-    mpu = sp.mpu
-    assert mpu.get_sequence_parallel_world_size() == sp_size
-    assert mpu.get_data_parallel_world_size() == world // sp_size
-    assert mpu.get_sequence_data_parallel_world_size() == world
+    mpu = sp.mpu  # DeepSpeed's view: every rank data-parallel (the gradient rule wants its average over all)
+    assert not hasattr(mpu, "get_sequence_parallel_world_size")
+    assert mpu.get_data_parallel_world_size() == world and mpu.get_data_parallel_rank() == me
     assert mpu.get_model_parallel_world_size() == 1
-    # One all-reduce over the gradient group sums over sequence ranks and data ranks alike.
+    assert sp.sequence_groups == tuple(tuple(range(g * sp_size, (g + 1) * sp_size)) for g in range(world // sp_size))
+    # One all-reduce over the gradient group reaches sequence ranks and data ranks alike.
     t = torch.ones(1)
     dist.all_reduce(t, group=sp.grad_group)
     assert t.item() == world
+
+
+_MESH_SPS = {}
+
+
+def mesh_in_and_out():
+    """ringseq.init(mesh=): the groups follow the mesh's dimensions (in any order, cp or sp, with
+    Ulysses); sp.mesh gives it back and sp.meshes its flattened dimensions; a mesh ringseq cannot
+    run, or sizes beside it that it contradicts, are refused. ringseq.init(sp_size=) makes a mesh
+    of the four dimensions. World 4."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    me = dist.get_rank()
+
+    def made(shape, names):  # each mesh once per worker: every mesh and flattening makes gloo groups
+        if (shape, names) not in _MESH_SPS:
+            mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+            _MESH_SPS[shape, names] = (mesh, ringseq.init(mesh=mesh))
+        return _MESH_SPS[shape, names]
+
+    def ranks(mesh):
+        return sorted(mesh.mesh.flatten().tolist())
+
+    mesh, sp = made((2, 2), ("dp_shard", "cp"))
+    assert sp.mesh is mesh and (sp.size, sp.dp_size, sp.ulysses_size) == (2, 2, 1)
+    assert sp.ranks == (me - me % 2, me - me % 2 + 1) and sp.dp_rank == me // 2
+    assert ranks(sp.meshes["dp_shard_cp"]) == [0, 1, 2, 3] and sp.meshes["fsdp"] is sp.meshes["dp_shard_cp"]
+    assert ranks(sp.meshes["dp"]) == dist.get_process_group_ranks(sp.dp_group)
+    _, sp = made((2, 2), ("cp", "dp_shard"))  # the sequence dimension outermost: groups are the columns
+    assert sp.ranks == (me % 2, me % 2 + 2) and dist.get_process_group_ranks(sp.dp_group) == [me - me % 2, me - me % 2 + 1]
+    _, sp = made((2, 2), ("sp", "ulysses"))
+    assert (sp.size, sp.ring_size, sp.ulysses_size, sp.dp_size) == (4, 2, 2, 1)
+    assert dist.get_process_group_ranks(sp.ulysses_group) == [me - me % 2, me - me % 2 + 1]
+    x = torch.arange(3 * 16, dtype=torch.float64).reshape(3, 16)  # the groups carry a sequence
+    assert torch.equal(ringseq.gather(ringseq.shard(x, 1, sp=sp), 1, sp=sp), x)
+    mesh, sp = made((2, 1, 2), ("dp_replicate", "dp_shard", "cp"))  # HSDP's mesh for fully_shard
+    fsdp = sp.meshes["fsdp"]
+    assert fsdp.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and fsdp.mesh.tolist() == [[0, 1], [2, 3]]
+
+    sp = shared_init(sp_size=2)
+    assert sp.mesh.mesh_dim_names == ("dp_replicate", "dp_shard", "cp", "ulysses")
+    assert tuple(sp.mesh.mesh.shape) == (1, 2, 2, 1) and ranks(sp.meshes["fsdp"]) == [0, 1, 2, 3]
+    assert ranks(sp.meshes["dp_cp"]) == [0, 1, 2, 3] and ranks(sp.meshes["dp"]) == [me % 2, me % 2 + 2]
+
+    import pytest
+
+    for shape, names, words in (((2, 2), ("dp_shard", "tp"), "dimensions ['tp'] that ringseq does not run"),
+                                ((2, 2), ("dp_replicate", "dp_shard"), "exactly one sequence dimension"),
+                                ((2, 2), ("cp", "sp"), "exactly one sequence dimension")):
+        with pytest.raises(ringseq.RingSeqError, match=re.escape(words)):
+            ringseq.init(mesh=init_device_mesh("cpu", shape, mesh_dim_names=names))
+    with pytest.raises(ringseq.RingSeqError, match="give the mesh alone"):
+        ringseq.init(sp_size=4, mesh=made((2, 2), ("dp_shard", "cp"))[0])
+    with pytest.raises(ringseq.RingSeqError, match="named dimensions"):
+        ringseq.init(mesh=init_device_mesh("cpu", (4,)))
 
 
 def refuses(sp_size, ulysses_size, match):

@@ -16,6 +16,10 @@ def test_groups_on_four_ranks(pool4, sp_size):
     pool4.run(cases.topology, sp_size)
 
 
+def test_a_device_mesh_in_and_out(pool4):
+    pool4.run(cases.mesh_in_and_out)
+
+
 def test_sp_size_not_dividing_world_names_the_equation(pool4):
     pool4.run(cases.refuses, 3, 1, r"world 4 is not data N x ring 3 x ulysses 1 for any whole N")
 

@@ -1,4 +1,4 @@
-"""Run by ``accelerate launch`` (DDP or DeepSpeed): one SGD step of a plain Accelerate loop with
+"""Run by ``accelerate launch`` (DDP, FSDP2 or DeepSpeed): one SGD step of a plain Accelerate loop with
 ``ringseq.prepare_accelerator`` must move every parameter exactly as one single-process step on
 the same samples (each replica's batch mean, averaged over replicas, clipped as DeepSpeed clips).
 Every rank asserts."""
@@ -36,11 +36,16 @@ def main():
     got = {}
     for name, p in accelerator.unwrap_model(model).named_parameters():
         with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
-            got[name] = p.detach().clone()
+            got[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # FSDP2: DTensor
     plain = reference_step(reference, dp, S, clip)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)
     assert_updates_close(got, plain, exact, dict(tiny_llama().named_parameters()), f"rank {dist.get_rank()}")
-    print(f"rank {dist.get_rank()}: accelerate {accelerator.distributed_type.value} sp {sp.size} dp {dp} "
+    pc = accelerator.parallelism_config
+    cp = pc.cp_size if pc is not None else 1
+    hooked = [n for n, m in accelerator.unwrap_model(model).named_modules()  # Accelerate's _attach_context_parallel_hooks
+              if any(getattr(h, "__name__", "") == "_self_attn_pre_forward_hook" for h in m._forward_pre_hooks.values())]
+    assert not hooked, f"torch's context-parallel hooks were attached to {hooked}: two rings"
+    print(f"rank {dist.get_rank()}: accelerate {accelerator.distributed_type.value} cp {cp} sp {sp.size} dp {dp} "
           f"clip {clip}: parameters match", flush=True)
     accelerator.end_training()
 

@@ -116,3 +116,37 @@ def fit_refuses_what_it_cannot_fit(family="llama"):
     with torch.no_grad():  # evaluation runs with whatever the last step chose: no plan, no refusal
         model.eval()
         assert model(**make_batch(1, SHORT * world, "plain")).loss is not None
+
+
+def fit_under_fsdp2(family="llama"):
+    """fit under FSDP2 (fully_shard per layer and root, the default world mesh): the planner costs it as
+    ZeRO-3 over FSDP2's shard dimension (every rank here: sharded gradients, the gathered layers, their
+    traffic), found at the first training forward; the step under the chosen switches is exact. Both
+    replicas take the same batch (their mean is its gradient)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ringseq.engines import Sharding
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=2)
+    batch = make_batch(2, LONG * 2, "plain", seed=3)
+    base, refs = references(family, batch)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, memory_budget=10**12)
+    unsharded = fitting._setting(model, model._ringseq_patch)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.train()
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch).loss
+    loss.backward()
+    handle = model._ringseq_patch
+    assert handle.sharding == Sharding(stage=3, ranks=world), handle.sharding
+    setting = handle.fit.setting
+    assert (setting.zero_stage, setting.gpus) == (3, world), setting
+    choice = handle.fit.current
+    alone = planner_fit.costed(dataclasses.replace(unsharded, zero_stage=0), LONG * 2, 2)
+    same = next(c for c in alone if c.switches == choice.switches)
+    assert choice.predicted_step_s != same.predicted_step_s, (choice, same)  # costed with ZeRO-3's gathers
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters() if p.grad is not None}
+    check_against(refs, loss.detach(), grads, sp, f"{family} fit FSDP2 rank {dist.get_rank()}/{world}")

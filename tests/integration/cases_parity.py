@@ -12,7 +12,7 @@ from .hf_models import EAGER, check_against, loss_and_grads, make_batch, referen
 
 
 def parity(family, layout, kind="plain", S_per_rank=16, short=0, ulysses=1, sp=None):
-    """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
+    """Patched fp32 loss and SP-averaged gradients against the unpatched model (float64 loss from
     its logits, so the reference is not capped at fp32 by transformers' upcast). ``short``
     tokens fewer than the layout can split: the patched model pads the batch itself. ``ulysses``:
     a Ulysses x ring group; ``sp``: a topology of the caller's instead."""
@@ -57,6 +57,7 @@ def autocast_parity(family, dtype_name, kind="plain", S_per_rank=16):
     assert_close(logits, plain_logits, ref_logits, f"{where}: logits")
     for g in grads.values():
         dist.all_reduce(g, group=sp.group)
+        g /= sp.size
     assert_named_close(grads, plain_grads, ref_grads, f"{where}: gradients")
     tokens = [tolerance.token_losses(x, batch["labels"]) for x in (plain_logits, ref_logits)]
     verdict = tolerance.mean_within(loss, *tokens, ref_loss, f"{where}: loss")

@@ -1,5 +1,5 @@
 """Vision-language models patched against the unpatched model on the whole batch: loss and the
-SP-summed gradients of every parameter (language model, projector, vision tower) by the 2x rule."""
+SP-averaged gradients of every parameter (language model, projector, vision tower) by the 2x rule."""
 import copy
 
 import torch
@@ -40,7 +40,7 @@ def crosses_a_chunk_edge(ids: torch.Tensor, sp) -> bool:
 
 
 def parity(family, S_per_rank=32, padded=False, split=False, short=0, images=2, video=False, ulysses=1):
-    """Patched fp32 loss and SP-summed gradients against the unpatched model (float64 loss from
+    """Patched fp32 loss and SP-averaged gradients against the unpatched model (float64 loss from
     its logits). ``split``: each rank encodes a share of the images (counted by a hook on the
     vision tower); ``video`` (Qwen): a video whose temporal patches are shared too; ``ulysses``: a
     Ulysses x ring group."""

@@ -44,7 +44,7 @@ def gathered_trainable(trainer) -> dict:
     for name, p in model.named_parameters():
         if p.requires_grad:
             with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
-                out[name] = p.detach().cpu().clone()
+                out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
     return out
 
 
@@ -67,17 +67,23 @@ def make_model(name: str, dtype, model_dir: str | None):
     return tiny_llama(dtype), (lora() if spec.get("peft") else None)
 
 
-def ds_config(stage: int | None):
-    """A DeepSpeed config whose batch and clipping settings follow the TrainingArguments."""
-    if stage is None:
-        return None
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "train_batch_size": "auto", "gradient_clipping": "auto", "zero_optimization": {"stage": stage},
-            "zero_allow_untested_optimizer": True}
+def engine_args(engine, vlm: bool = False) -> dict:
+    """TrainingArguments for the engine: None (DDP), a DeepSpeed ZeRO stage (a config whose batch and
+    clipping settings follow the TrainingArguments) or "fsdp" (FSDP2, Accelerate's auto-wrap of the
+    model's _no_split_modules; LLaVA's names a CLIP text class its model lacks, so its decoder layers
+    are named instead)."""
+    if engine is None:
+        return {}
+    if engine == "fsdp":
+        layers = {"transformer_layer_cls_to_wrap": ["LlamaDecoderLayer", "CLIPEncoderLayer"]} if vlm else {}
+        return {"fsdp": True, "fsdp_config": {"version": 2, **layers}}
+    return {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+                          "train_batch_size": "auto", "gradient_clipping": "auto",
+                          "zero_optimization": {"stage": int(engine)}, "zero_allow_untested_optimizer": True}}
 
 
 def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: str, model_dir: str | None,
-                 stage: int | None = None):
+                 stage: int | str | None = None):
     """Train (3 steps) and maybe evaluate; return (metrics per logged step, start, end trainable params)."""
     import transformers
 
@@ -89,7 +95,7 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
             output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, per_device_eval_batch_size=2,
             learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, logging_steps=1,
             report_to=[], disable_tqdm=True, save_strategy="no", eval_strategy="no", use_cpu=True, seed=0,
-            deepspeed=ds_config(stage))
+            **engine_args(stage, vlm=name == "vlm_trainer"))
         cls = ringseq.Trainer if ringseq_sp else transformers.Trainer
         kw = dict(compute_metrics=run_clm_metrics, preprocess_logits_for_metrics=run_clm_preprocess,
                   train_dataset=clm_blocks(8, 1), eval_dataset=clm_blocks(6, 2))
@@ -100,14 +106,15 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
             output_dir=out_dir, max_steps=2, per_device_train_batch_size=2, learning_rate=0.5,
             lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, logging_steps=1, report_to=[],
             disable_tqdm=True, save_strategy="no", use_cpu=True, seed=0, remove_unused_columns=False,
-            deepspeed=ds_config(stage))
+            **engine_args(stage, vlm=name == "vlm_trainer"))
         cls = ringseq.Trainer if ringseq_sp else transformers.Trainer
         kw = dict(train_dataset=dataset("vlm", 8, 1), data_collator=DataCollatorForVisionLanguageModeling(vlm_processor()))
     else:
         import trl
 
         bf16 = SFT_SCENARIOS[name].get("bf16", False) and dtype == torch.float32
-        args = sft_config(name, out_dir, use_cpu=True, bf16=bf16, deepspeed=ds_config(stage))
+        args = sft_config(name, out_dir, use_cpu=True, bf16=bf16,
+                          **engine_args(stage, vlm=SFT_SCENARIOS[name].get("vlm", False)))
         cls = ringseq.SFTTrainer if ringseq_sp else trl.SFTTrainer
         data = SFT_SCENARIOS[name]["data"]
         text = vlm_processor() if SFT_SCENARIOS[name].get("vlm") else tokenizer()
@@ -187,10 +194,10 @@ def ringseq_run(args) -> None:
         tiny_llama().save_pretrained(model_dir)
         tokenizer().save_pretrained(model_dir)
     dist.barrier()
-    for item in args.scenarios:  # NAME or NAME@STAGE (a DeepSpeed ZeRO stage for this scenario)
+    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage for this scenario) or NAME@fsdp
         name, _, stage = item.partition("@")
         got = run_scenario(name, ringseq_sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
-                           stage=int(stage) if stage else args.stage)
+                           stage=stage or args.stage)
         check(name, got, refs[name], rank)
         print(f"rank {rank}: {item} ok: {got[0][-1]}", flush=True)
         dist.barrier()

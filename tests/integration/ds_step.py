@@ -15,7 +15,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import ringseq
 import ringseq.processes
-from ringseq.testing import assert_updates_close
+import ringseq.mpu
+from ringseq.testing import assert_refused, assert_updates_close
 
 
 def tiny_llama():
@@ -53,7 +54,7 @@ def batch_for(replica: int, S: int) -> dict:
 
 
 CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp",
-             "memory"}
+             "memory", "engine", "batch"}
 
 
 def parse_case(text: str) -> dict:
@@ -105,10 +106,28 @@ def run_case(case: dict) -> str:
             assert case["refuse"] in str(err), f"rank {dist.get_rank()}: refused, but with: {err}"
             return f"refused as expected: {err}"
         raise AssertionError(f"{case} was not refused")
+    if case.get("batch"):  # train_batch_size counts sequences over the replicas; DeepSpeed derives the accumulation
+        config = {**config, "train_batch_size": int(case["batch"]) * dp}
+        del config["gradient_accumulation_steps"]
     # momentum: its first step is plain SGD; after a checkpoint round trip it must carry over
-    engine, *_ = ringseq.initialize(sp=sp, model=model, config=config,
-                                    optimizer=torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9))
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0, momentum=0.9)
+    if case.get("engine") in ("plain", "mpu", "sequence_mpu"):  # deepspeed.initialize itself, on a patched model
+        mpu = {"plain": None, "mpu": sp.mpu, "sequence_mpu": SequenceMPU(sp)}[case["engine"]]
+        engine, *_ = deepspeed.initialize(model=ringseq.patch(model, sp=sp), config=config, optimizer=optimizer,
+                                          mpu=mpu)
+        if case["engine"] == "sequence_mpu":
+            assert_refused(lambda: engine(**batch_for(sp.dp_rank, S)), "mpu with sequence parallelism")
+            deepspeed.utils.groups.mpu = None  # DeepSpeed keeps an engine's mpu for every later engine of the process
+            return "an mpu that declares sequence parallelism is refused"
+        engine.ringseq = sp
+    elif case.get("engine") == "data":
+        return drawn_over_replicas(model, sp, config, optimizer, S)
+    else:
+        engine, *_ = ringseq.initialize(sp=sp, model=model, config=config, optimizer=optimizer)
     sp = engine.ringseq
+    if case.get("batch"):
+        assert engine.gradient_accumulation_steps() == int(case["batch"]) // 2, engine.gradient_accumulation_steps()
+        return f"train_batch_size {int(case['batch']) * dp}: {engine.gradient_accumulation_steps()} micro-batches"
     loss = engine(**batch_for(sp.dp_rank, S)).loss
     engine.backward(loss)
     engine.step()
@@ -142,6 +161,61 @@ def main():
         print(f"rank {dist.get_rank()}: case {n} [{text}] ok: {result}", flush=True)
         dist.barrier()
     dist.destroy_process_group()
+
+
+class SequenceMPU(ringseq.mpu.SequenceParallelMPU):
+    """An mpu that declares sequence parallelism (what ringseq's said before its gradient rule):
+    DeepSpeed then sums over the sequence ranks and divides by the replicas."""
+
+    def __init__(self, sp):
+        super().__init__()
+        self.sp = sp
+
+    def get_sequence_parallel_group(self):
+        return self.sp.group
+
+    def get_sequence_parallel_rank(self):
+        return self.sp.rank
+
+    def get_sequence_parallel_world_size(self):
+        return self.sp.size
+
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_sequence_data_parallel_rank(self):
+        return dist.get_rank()
+
+    def get_sequence_data_parallel_world_size(self):
+        return dist.get_world_size()
+
+    def get_data_parallel_group(self):
+        return self.sp.dp_group
+
+    def get_data_parallel_rank(self):
+        return self.sp.dp_rank
+
+    def get_data_parallel_world_size(self):
+        return self.sp.dp_size
+
+
+def drawn_over_replicas(model, sp, config, optimizer, S) -> str:
+    """``ringseq.initialize(training_data=...)``: the ranks of a sequence group draw the same
+    batches, the replicas different ones, and a step on them runs."""
+    samples = [{k: v[i] for k, v in batch_for(d, S).items()} for d in range(4) for i in range(2)]
+    engine, _, loader, _ = ringseq.initialize(sp=sp, model=model, config=config, optimizer=optimizer,
+                                              training_data=samples)
+    loader.num_local_io_workers = 0  # a pool's rank is a daemon process: no loader workers
+    batch = next(iter(loader))
+    drawn = [None] * dist.get_world_size()
+    dist.all_gather_object(drawn, batch["input_ids"].tolist())
+    for g in sp.sequence_groups:
+        assert all(drawn[r] == drawn[g[0]] for r in g), f"a sequence group drew different batches: {drawn}"
+    firsts = [drawn[g[0]] for g in sp.sequence_groups]
+    assert len({str(f) for f in firsts}) == len(firsts), f"replicas drew the same batch: {firsts}"
+    engine.backward(engine(**batch).loss)
+    engine.step()
+    return f"training_data dealt over {sp.dp_size} replica(s)"
 
 
 def gathered(engine):

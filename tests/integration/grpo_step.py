@@ -31,7 +31,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from client_step import ds_config, gathered_trainable, metric_tolerance  # noqa: E402
+from client_step import engine_args, gathered_trainable, metric_tolerance  # noqa: E402
 from clients_common import WORDS, lora, tiny_llama, tokenizer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -145,7 +145,7 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
         num_generations=4, max_completion_length=12, temperature=0.9, learning_rate=0.5, optim="sgd",
         lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
         disable_tqdm=True, save_strategy="no", seed=0, per_device_eval_batch_size=4, use_cpu=True, bf16=bf16,
-        deepspeed=ds_config(stage),
+        **engine_args(stage, vlm=spec.get("vlm", False)),
         model_init_kwargs={"dtype": dtype} if spec.get("model_id") else None, **settings)
     if spec.get("model_id"):
         model = model_dir
@@ -290,10 +290,10 @@ def ringseq_run(args) -> None:
     if rank == 0:
         tiny_llama().save_pretrained(model_dir)
     dist.barrier()
-    for item in args.scenarios:  # NAME or NAME@STAGE (a DeepSpeed ZeRO stage)
+    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage) or NAME@fsdp (FSDP2)
         name, _, stage = item.partition("@")
         got = run_scenario(name, sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
-                           stage=int(stage) if stage else None)
+                           stage=stage or None)
         check(name, got, refs[name], rank, sp.rank)
         print(f"rank {rank}: {item} ok: {got[1][-1]}", flush=True)
         dist.barrier()

@@ -1,5 +1,5 @@
 """Tiny random-init models of every tested family, their batches, and the comparison with the
-unpatched model that every HF case makes (loss and SP-summed gradients by the 2x rule)."""
+unpatched model that every HF case makes (loss and SP-averaged gradients by the 2x rule)."""
 import torch
 import torch.distributed as dist
 
@@ -122,10 +122,11 @@ def references(family, batch):
 
 
 def check_against(refs, loss, grads, sp, where):
-    """The patched model's loss and gradients (summed here over the sequence group: ringseq's
+    """The patched model's loss and gradients (averaged here over the sequence group: ringseq's
     gradient rule) against the unpatched fp32 and float64 runs, by the 2x rule
     (``ringseq.testing.assert_model_close``). Families whose modules compute in fp32 internally
     (Gemma norms, eager softmax) thereby get the tolerance their own arithmetic allows."""
     for g in grads.values():
         dist.all_reduce(g, group=sp.group)
+        g /= sp.size
     assert_model_close(loss, grads, *refs, where)

@@ -20,17 +20,27 @@ def deepspeed_cases(pool, *cases):
 def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused(pool2):
     """ZeRO 0-3 (two of them without clipping), the ds_config section, the shipped configs, checkpointing
     with tiled MLPs under ZeRO-2 and ZeRO-3 (each weight's gradient reduced once, after the last tile), and
-    the refusals: ZeRO-3 reduce_scatter, an sp_size that does not divide the world, a misspelt key."""
+    ZeRO-3's reduce_scatter (its average over every rank is the gradient rule's), and the refusals: an
+    sp_size that does not divide the world, a misspelt key."""
     deepspeed_cases(pool2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,section",
                     "stage=2,memory", "stage=3,clip=0,memory",
                     "config=launch/configs/ds_zero1.json", "config=launch/configs/ds_zero2.json",
-                    "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,refuse=reduce_scatter averages",
+                    "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,clip=0",
                     "stage=2,section,sp=3,refuse=sp_size 3 must divide the world size",
                     "stage=2,section,extra=sp_szie:2,refuse=unknown keys ['sp_szie']")
 
 
 def test_deepspeed_with_data_parallel_replicas_and_checkpoints(pool4):
     deepspeed_cases(pool4, "stage=3,sp=2,checkpoint,resume_sp=4")
+
+
+def test_deepspeed_initialize_itself_and_its_batch_and_data(pool4):
+    """The gradient rule wants DeepSpeed's plain data parallelism, so deepspeed.initialize on a
+    patched model is exact without ringseq.initialize (no mpu, or sp.mpu), ZeRO-2 and ZeRO-3; an mpu
+    that declares sequence parallelism is refused; train_batch_size counts sequences over the
+    replicas; training_data is dealt over the replicas."""
+    deepspeed_cases(pool4, "stage=2,engine=plain", "stage=3,engine=plain", "stage=3,engine=mpu",
+                    "stage=2,engine=sequence_mpu", "stage=2,batch=2", "stage=2,batch=4", "stage=1,engine=data")
 
 
 def test_deepspeed_zero_1_checkpoint_resumes_at_another_shape(pool4):

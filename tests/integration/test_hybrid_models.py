@@ -1,5 +1,5 @@
 """Hybrid models (gated DeltaNet, KDA, Mamba2 and short-convolution layers beside attention) patched
-against the unpatched model on the whole sequence: loss and SP-summed gradients by the 2x rule."""
+against the unpatched model on the whole sequence: loss and SP-averaged gradients by the 2x rule."""
 import pytest
 
 from . import cases_batches, cases_hybrid, cases_memory, cases_parity

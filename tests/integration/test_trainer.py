@@ -37,6 +37,22 @@ def test_trainer_ddp_steps_equal_single_process(pools, nproc, cases, extra):
     assert out.count("stock Trainer refused") == (nproc if "--stock-first" in extra else 0), out[-3000:]
 
 
+# FSDP2 through TrainingArguments(fsdp=..., fsdp_config={"version": 2}) and Accelerate's context parallelism
+# (parallelism_config cp_size: ringseq's ring over its cp dimension, sp made from it): Accelerate's own FSDP2
+# code on gloo (ringseq.launch.accelerate_fsdp; docs/testing.md), with FSDP's activation checkpointing,
+# cpu_ram_efficient_loading (from_pretrained), sharded state dicts and resuming; FSDP1 (Accelerate needs a GPU
+# for it) and a cp_size that is not ringseq's group are refused
+@pytest.mark.parametrize("nproc,cases", [(2, ["fsdp,resume", "fsdp,ac", "fsdp,ramload,pretrained", "fsdp,sharded,resume",
+                                              "refuse=fsdp1", "refuse=cp_mismatch"]),
+                                         (4, ["fsdp,cp,resume"])])
+def test_trainer_fsdp2_steps_equal_single_process(pools, nproc, cases):
+    resumes = sum("resume" in c for c in cases)
+    trained = [c for c in cases if "refuse" not in c]
+    out = reported(pools(nproc).run_script(HERE / "trainer_step.py", *cases), "parameters match",
+                   nproc * (len(trained) + resumes))
+    assert out.count("refused as expected") == nproc * (len(cases) - len(trained)), out[-3000:]
+
+
 def test_trainer_under_accelerate_launch_with_the_shipped_config(pool2):
     config = ("accelerate", "--config_file", str(ROOT / "launch/configs/accelerate_cpu.yaml"))
     reported(pool2.run_script(HERE / "trainer_step.py", launcher=config), "eval loss", 2)
@@ -45,10 +61,17 @@ def test_trainer_under_accelerate_launch_with_the_shipped_config(pool2):
 # ZeRO-2 through Accelerate takes the same route into ringseq.initialize as ZeRO-3. ZeRO-3 at 2
 # processes (one sequence group): DeepSpeed's data-parallel reductions beside sequence groups are
 # stepped at 4 processes in test_deepspeed.py's ds_step cases, the Trainer's at 4 under DDP above.
-@pytest.mark.parametrize("flags,nproc", [(["--multi_gpu"], 2), (["--use_deepspeed", "--zero_stage", "3"], 2)])
-def test_accelerate_step_equals_single_process(pools, flags, nproc):
-    reported(pools(nproc).run_script(HERE / "accelerate_step.py", launcher=("accelerate", *flags),
-                                     env={"RINGSEQ_SP_SIZE": "2"}, cwd=HERE), "parameters match", nproc)
+# FSDP2 (accelerate launch --use_fsdp) at 4 processes, 2 replicas of 2, alone and with Accelerate's own context
+# parallelism config (its cp dimension is ringseq's sequence group; torch's context-parallel hooks never attached)
+@pytest.mark.parametrize("flags,nproc,env", [
+    (["--multi_gpu"], 2, {}), (["--use_deepspeed", "--zero_stage", "3"], 2, {}),
+    (["--use_fsdp", "--fsdp_version", "2"], 4, {}),
+    (["--use_fsdp", "--fsdp_version", "2"], 4, {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_CP_SIZE": "2",
+                                                 "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"})])
+def test_accelerate_step_equals_single_process(pools, flags, nproc, env):
+    out = reported(pools(nproc).run_script(HERE / "accelerate_step.py", launcher=("accelerate", *flags),
+                                           env={"RINGSEQ_SP_SIZE": "2", **env}, cwd=HERE), "parameters match", nproc)
+    assert out.count(f"cp {2 if env else 1} ") == nproc, out[-3000:]
 
 
 def test_accelerate_own_sp_size_is_refused():

@@ -20,7 +20,7 @@ SPLIT = [f for f in VLMS if f not in ("idefics3", "smolvlm")]  # those two: pixe
 @pytest.mark.parametrize("family", SPLIT)
 def test_split_vision_matches_unpatched(pool2, pool4, family):
     """Each rank encodes a share of the images; the gathered features and the vision tower's
-    summed gradients are the unpatched model's."""
+    averaged gradients are the unpatched model's."""
     pool2.run(cases_vlm.parity, family, split=True)
     pool4.run(cases_vlm.parity, family, split=True)
 

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, TrainingArguments
 
 import ringseq
 import ringseq.processes
-from ringseq.testing import assert_close, assert_updates_close
+from ringseq.testing import assert_close, assert_refused, assert_updates_close
 
 S, VOCAB, LR, CLIP, MOMENTUM = 64, 64, 0.5, 1.0, 0.9
 
@@ -109,7 +109,8 @@ def params_of(trainer):
     out = {}
     for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters():
         with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else _nothing():
-            out[name] = p.detach().clone()
+            name = name.replace("_checkpoint_wrapped_module.", "")  # FSDP's activation checkpointing wrapper
+            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # FSDP2: DTensor
     return out
 
 
@@ -129,6 +130,14 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
               "zero_optimization": {"stage": case.stage}, "zero_allow_untested_optimizer": True}
         if case.section:
             ds["ringseq"] = {"sp_size": case.sp}
+    if case.fsdp:  # FSDP2 as the Trainer runs it (Accelerate's auto-wrap of _no_split_modules, then the root)
+        extra["fsdp"] = True
+        extra["fsdp_config"] = {"version": 2, "activation_checkpointing": case.ac, "cpu_ram_efficient_loading": case.ramload,
+                                "state_dict_type": "SHARDED_STATE_DICT" if case.sharded else "FULL_STATE_DICT"}
+    if case.cp:  # Accelerate's context parallelism: ringseq's ring over its cp dimension, sp made from it
+        from accelerate.parallelism_config import ParallelismConfig
+
+        extra["parallelism_config"] = ParallelismConfig(cp_size=case.sp, dp_shard_size=dist.get_world_size() // case.sp)
     targs = TrainingArguments(output_dir=out_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
                               gradient_accumulation_steps=case.gas, max_steps=steps, learning_rate=LR,
                               lr_scheduler_type="constant", optim="sgd", optim_args=f"momentum={MOMENTUM}",
@@ -139,7 +148,7 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
                               gradient_checkpointing=case.checkpointing, **extra)
     # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned; on CPU
     # TrainingArguments(use_cpu=True) does not start DeepSpeed's comm layer, which zero.Init needs
-    if case.pretrained:
+    if case.pretrained and case.stage is not None:
         ringseq.join_deepspeed()
     model = LlamaForCausalLM.from_pretrained(case.pretrained) if case.pretrained else MODELS[case.hybrid]()
     if case.fit:  # patch(fit=True) under a budget that only the planner's leanest set of switches fits
@@ -151,7 +160,7 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
         ringseq.patch(model, sp=sp, fit=True, memory_budget=planner_fit.least(setting, S, 1).predicted_peak_bytes)
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
-                           sp=None if case.section else sp)
+                           sp=None if case.section or case.cp else sp)
 
 
 def stock_trainer_is_refused(sp, train):
@@ -172,22 +181,45 @@ def stock_trainer_is_refused(sp, train):
         raise AssertionError("a stock Trainer trained a patched model on different batches per rank")
 
 
-CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid", "fit"}
+CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid", "fit", "fsdp", "ac", "ramload",
+             "sharded", "cp", "refuse"}
+REFUSALS = {  # a configuration, and the words of the RingSeqError it must raise on every rank
+    "fsdp1": "FSDP version 1 through Accelerate needs a GPU",
+    "cp_mismatch": "cp_size=2 but ringseq's sequence group has 1 ranks",
+}
 
 
 def parse_case(text: str, sp_size: int, gas: int) -> argparse.Namespace:
     """``stage=3,resume,section`` -> a namespace with every case key (absent: None / False)."""
     case = argparse.Namespace(stage=None, section=False, resume=False, pretrained=False, checkpointing=False,
-                              hybrid=False, fit=False, sp=sp_size, gas=gas)
+                              hybrid=False, fit=False, fsdp=False, ac=False, ramload=False, sharded=False, cp=False,
+                              refuse=None, sp=sp_size, gas=gas)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in CASE_KEYS:
             raise SystemExit(f"unknown case key {key!r} in {text!r}; known: {sorted(CASE_KEYS)}")
-        setattr(case, key, int(value) if key == "stage" else True)
+        setattr(case, key, int(value) if key == "stage" else value if key == "refuse" else True)
     return case
 
 
+def refused(case, sp, out_dir: str) -> None:
+    """A configuration ringseq.Trainer refuses (``REFUSALS``), on every rank, before training."""
+    from accelerate.parallelism_config import ParallelismConfig
+
+    extra = {"fsdp1": {"fsdp": True, "fsdp_config": {"version": 1}},
+             "cp_mismatch": {"parallelism_config": ParallelismConfig(cp_size=2, dp_shard_size=dist.get_world_size() // 2),
+                             "fsdp": True, "fsdp_config": {"version": 2}}}
+    own = ringseq.init(sp_size=1) if case.refuse == "cp_mismatch" else sp
+    train = samples(2, seed=1)
+    args = TrainingArguments(output_dir=out_dir, report_to=[], use_cpu=True, **extra[case.refuse])
+    assert_refused(lambda: ringseq.Trainer(model=tiny_llama(), args=args, train_dataset=train, sp=own).train(),
+                   REFUSALS[case.refuse])
+    print(f"rank {dist.get_rank()}: {case.refuse} refused as expected", flush=True)
+
+
 def run_case(case, sp, out_dir: str) -> None:
+    if case.refuse:
+        return refused(case, sp, out_dir)
     rank = dist.get_rank()
     dp, steps = sp.dp_size, 3
     train, evaluation = samples(steps * case.gas * dp, seed=1), samples(2 * dp, seed=2)
@@ -203,7 +235,11 @@ def run_case(case, sp, out_dir: str) -> None:
     seen = trainer.state.num_input_tokens_seen
     assert seen == steps * case.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * case.gas * dp * S}"
 
-    what = f"rank {rank}: Trainer sp {sp.size} dp {dp} stage {case.stage}{' hybrid' if case.hybrid else ''}"
+    engine = f"stage {case.stage}" if case.stage is not None else "FSDP2" if case.fsdp else "DDP"
+    engine += "".join(f" {k}" for k in ("cp", "ac", "ramload", "sharded", "hybrid") if getattr(case, k))
+    what = f"rank {rank}: Trainer sp {sp.size} dp {dp} {engine}"
+    if case.fsdp:
+        assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2, f"{what}: the Trainer dropped FSDP2"
     if case.fit:  # the Trainer kept fit through its re-patching; fit costed DeepSpeed's stage
         model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
         assert model._ringseq_patch.zero_stage == (case.stage or 0), what

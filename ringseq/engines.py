@@ -1,0 +1,233 @@
+"""The engine that averages a patched model's gradients, read at every training forward, and what
+ringseq's gradient rule (``ringseq.gradients``) needs of it.
+
+Each rank's backward leaves P times its share of every gradient, so an engine is exact when it
+averages each gradient over ranks that hold whole sequence groups. ``check(model, sp)`` finds the
+engines around a patched model: a wrapper whose ``forward`` called it (DistributedDataParallel,
+FSDP1 ``FullyShardedDataParallel``, a DeepSpeed engine, an FSDP2 module above it: the few Python
+frames above the patched forward) and FSDP2 states on its own modules. Then:
+
+* **exact as it is**: DistributedDataParallel over whole sequence groups (the world, or a set of
+  replicas) with its own average or torch's ``allreduce_hook`` / ``fp16_compress_hook`` /
+  ``bf16_compress_hook``; FSDP2 ``fully_shard`` per layer and on the root over whole groups (the
+  default world mesh, ``sp.mesh["dp_shard_cp"]``, HSDP) with its default divide factor; FSDP1;
+  DeepSpeed ZeRO 0-3 without an mpu (``ringseq.initialize``) or with ``sp.mpu``;
+* **made exact**: DistributedDataParallel over the data ranks only (``process_group=sp.dp_group``,
+  a sequence group's ranks in different DDPs) gets torch's ``allreduce_hook`` over the world, the
+  same average over every rank;
+* **refused** (``RingSeqError`` at the first training forward, before any work, naming the fix): a
+  reduction that would not come out right or that ringseq cannot read: a communication hook,
+  custom reduce-scatter or all-reduce hook of the user's; an FSDP2 divide factor other than its
+  average; an engine over part of a sequence group; trainable parameters that FSDP2 does not
+  manage while it manages others; DeepSpeed given an mpu that declares sequence parallelism.
+
+A model no engine wraps is the raw loop: its owner averages every gradient over all ranks (README).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import torch
+import torch.distributed as dist
+
+from .errors import RingSeqError
+from .gradients import covers, factor
+
+FRAMES = 64
+"""How far above the patched forward a wrapper's ``forward`` is looked for (DDP over PEFT over the
+model is about 10 frames up)."""
+ENGINE_FIX = ("wrap the model over all ranks (the default), or over ranks that hold whole sequence groups: "
+              "sp.mesh['dp_shard_cp'] for fully_shard, HSDP over sp.mesh['dp_replicate', 'dp_shard_cp']")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sharding:
+    """How an FSDP engine holds the model, as ``ringseq.planner`` costs it: ZeRO's stage (FSDP2 and
+    FSDP1's FULL_SHARD shard parameters, gradients and optimizer states: 3) over ``ranks`` ranks."""
+
+    stage: int
+    ranks: int
+
+
+def check(model, sp) -> Sharding | None:
+    """Pass, widen or refuse the engines around ``model`` (see the module docstring); the sharding of
+    an FSDP engine found (None: none, or DeepSpeed's, which ``ringseq.initialize`` records)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.nn.parallel import DistributedDataParallel
+
+    fsdp2 = _fsdp2_class()
+    states, fsdp1, ddps, engines = [], [], [], []
+    for m in model.modules():
+        if isinstance(m, FullyShardedDataParallel):
+            fsdp1.append(m)
+        elif fsdp2 is not None and isinstance(m, fsdp2):
+            states.append(m)
+    for wrapper in _callers(sys._getframe(2)):  # above the patched forward
+        if isinstance(wrapper, DistributedDataParallel):
+            ddps.append(wrapper)
+        elif isinstance(wrapper, FullyShardedDataParallel):
+            fsdp1.append(wrapper)
+        elif fsdp2 is not None and isinstance(wrapper, fsdp2) and all(wrapper is not m for m in states):
+            states.append(wrapper)
+        elif hasattr(wrapper, "seq_data_parallel_group") and type(wrapper).__module__.startswith("deepspeed"):
+            engines.append(wrapper)
+    if factor(sp) > 1:  # else every rank holds whole sequences: any engine's average is plain data parallelism
+        for ddp in ddps:
+            _ddp(ddp, sp)
+        for fsdp in fsdp1:
+            _fsdp1(fsdp, sp)
+        for engine in engines:
+            _deepspeed(engine, sp)
+        if states:
+            _fsdp2(model, states, sp)
+    return _sharding(states, fsdp1)
+
+
+def _sharding(states, fsdp1) -> Sharding | None:
+    """FSDP2's shard dimension (the largest of the model's groups), else FSDP1's shard group, else None."""
+    sizes = [getattr(g.mesh_info, "shard_mesh_size", 1) for m in states for g in _param_groups(m)]
+    if sizes:
+        return Sharding(stage=3 if max(sizes) > 1 else 0, ranks=max(sizes))
+    if fsdp1:
+        from torch.distributed.fsdp import ShardingStrategy
+
+        stage = {ShardingStrategy.NO_SHARD: 0, ShardingStrategy.SHARD_GRAD_OP: 2}.get(fsdp1[-1].sharding_strategy, 3)
+        return Sharding(stage=stage, ranks=fsdp1[-1].process_group.size())
+    return None
+
+
+def _callers(frame):
+    """The modules whose ``forward`` (or DDP's ``_run_ddp_forward``) is on the stack from ``frame``
+    up, innermost first, each once."""
+    seen = set()
+    for _ in range(FRAMES):
+        if frame is None:
+            return
+        code = frame.f_code
+        if code.co_name in ("forward", "_run_ddp_forward") and code.co_argcount and code.co_varnames[0] == "self":
+            owner = frame.f_locals.get("self")
+            if isinstance(owner, torch.nn.Module) and id(owner) not in seen:
+                seen.add(id(owner))
+                yield owner
+        frame = frame.f_back
+
+
+def _ranks(group) -> set[int]:
+    return set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _fsdp2_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2 in this namespace
+        return None
+    return FSDPModule
+
+
+def _mean_hooks():
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    return {default_hooks.allreduce_hook: "allreduce_hook", default_hooks.fp16_compress_hook: "fp16_compress_hook",
+            default_hooks.bf16_compress_hook: "bf16_compress_hook"}
+
+
+def _ddp(ddp, sp) -> None:
+    """DDP averages each bucket over its process group, or a known hook over the hook's group."""
+    hooks = list(getattr(ddp, "_comm_hooks", []))
+    named = str(ddp._get_ddp_logging_data().get("comm_hook") or "")
+    if not hooks and named and named not in ("BuiltinCommHookType.ALLREDUCE", "BuiltinCommHookType.FP16_COMPRESS"):
+        hooks = [(None, None)]  # a hook registered where ringseq cannot see it
+    if len(hooks) > 1 or (hooks and hooks[0][0] not in _mean_hooks()):
+        name = named or getattr(hooks[0][0], "__qualname__", "?")
+        raise RingSeqError(f"DistributedDataParallel has the communication hook {name}, whose reduction ringseq "
+                           f"cannot read; ringseq's gradient rule needs each gradient averaged over all ranks "
+                           f"(ringseq.gradients): register no hook (DDP's own average), or torch's allreduce_hook, "
+                           f"fp16_compress_hook or bf16_compress_hook")
+    ranks = _ranks(hooks[0][1] if hooks else ddp.process_group)
+    if covers(ranks, sp):
+        return
+    data_only = len(ranks & set(sp.ranks)) == 1 and all(len(ranks & set(g)) == 1 for g in sp.sequence_groups)
+    if hooks or not data_only:
+        raise RingSeqError(f"DistributedDataParallel averages over global ranks {sorted(ranks)}, which split sequence "
+                           f"groups {sorted(g for g in sp.sequence_groups if not set(g) <= ranks)}: a gradient "
+                           f"must be averaged over every rank of a sequence group (ringseq.gradients); {ENGINE_FIX}")
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    try:  # over the data ranks only: the same average over every rank instead
+        ddp.register_comm_hook(dist.group.WORLD, default_hooks.allreduce_hook)
+    except RuntimeError as err:
+        raise RingSeqError(f"DistributedDataParallel over the data ranks {sorted(ranks)} needs its average over "
+                           f"every rank, which ringseq sets with a communication hook before the first backward; "
+                           f"torch refused it ({err}): wrap the model over all ranks instead") from err
+
+
+def _fsdp1(fsdp, sp) -> None:
+    if getattr(fsdp, "_comm_hook", None) is not None:
+        raise RingSeqError(f"FullyShardedDataParallel has the communication hook {fsdp._comm_hook.__qualname__}, "
+                           f"whose reduction ringseq cannot read: register none (FSDP's own average)")
+    ranks = _ranks(fsdp.process_group)
+    if not covers(ranks, sp):
+        raise RingSeqError(f"FullyShardedDataParallel shards over global ranks {sorted(ranks)}, which split a "
+                           f"sequence group: a gradient must be averaged over every rank of a sequence group "
+                           f"(ringseq.gradients); {ENGINE_FIX}")
+
+
+def _deepspeed(engine, sp) -> None:
+    if getattr(engine, "sequence_parallel_size", 1) > 1:
+        raise RingSeqError(f"DeepSpeed was given an mpu with sequence parallelism (size "
+                           f"{engine.sequence_parallel_size}): it then sums over the sequence ranks itself, while "
+                           f"ringseq's gradient rule wants its plain average over all ranks. Pass no mpu (or "
+                           f"sp.mpu): ringseq.initialize does")
+    groups = [engine.seq_data_parallel_group]
+    groups += list({id(g): g for p in engine.module.parameters()
+                    if (g := getattr(p, "ds_process_group", None)) is not None}.values())
+    for group in groups:
+        if not covers(_ranks(group), sp):
+            raise RingSeqError(f"DeepSpeed reduces or partitions over global ranks {sorted(_ranks(group))}, which "
+                               f"split a sequence group: build the model outside zero.Init(data_parallel_group=...) "
+                               f"or over all ranks, and pass no mpu")
+
+
+def _param_groups(module):
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12: one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
+
+
+def _fsdp2(model, modules, sp) -> None:
+    """FSDP2 averages over its mesh (shard x replicate), divided by the divide factor if set."""
+    managed = set()
+    for module in modules:
+        for group in _param_groups(module):
+            ranks = set(group.mesh_info.mesh.mesh.flatten().tolist())
+            name = type(module).__name__
+            if not covers(ranks, sp):
+                raise RingSeqError(f"fully_shard({name}) reduces over the mesh of global ranks {sorted(ranks)}, which "
+                                   f"splits a sequence group: a gradient must be averaged over every rank of a "
+                                   f"sequence group (ringseq.gradients); {ENGINE_FIX}")
+            divide = getattr(group, "gradient_divide_factor", None)
+            if divide is not None and divide != len(ranks):
+                raise RingSeqError(f"fully_shard({name}) has its gradient divide factor set to {divide:g}; ringseq's "
+                                   f"gradient rule needs FSDP2's own average over its {len(ranks)} ranks (each "
+                                   f"rank's gradient is already P x its share of its replica's loss): remove "
+                                   f"set_gradient_divide_factor")
+            comm = getattr(group, "_reduce_scatter_comm", None)  # torch's own ones average
+            custom = getattr(group, "_all_reduce_hook", None) is not None or (
+                comm is not None and not type(comm).__module__.startswith("torch.distributed"))
+            if custom:
+                raise RingSeqError(f"fully_shard({name}) reduces with an all-reduce hook or a reduce-scatter of the "
+                                   f"user's, whose result ringseq cannot read: set none (FSDP2's own average)")
+            for fsdp_param in group.fsdp_params:
+                info = fsdp_param._module_info
+                managed.add((id(info.module), info.param_name))
+                managed.update(zip(map(id, getattr(info, "shared_modules", ())), getattr(info, "shared_param_names", ())))
+    loose = [f"{prefix}.{name}".lstrip(".") for prefix, m in model.named_modules() for name, p in m._parameters.items()
+             if p is not None and p.requires_grad and (id(m), name) not in managed]
+    if loose:
+        raise RingSeqError(f"FSDP2 manages some parameters of the model but not {loose[:3]}"
+                           f"{' and more' if len(loose) > 3 else ''}: nothing would average their gradients. "
+                           f"fully_shard the root module too (fully_shard(model) after its layers)")
