@@ -90,25 +90,27 @@ class SequenceParallel:
     @property
     def mesh(self):
         """The torch ``DeviceMesh`` of this topology (``ringseq.meshes``): the one given to
-        ``ringseq.init(mesh=)``, else ``(dp_replicate, dp_shard, cp, ulysses)`` made on first use.
-        Every rank must ask for it (the first time makes process groups)."""
-        from . import meshes
-
-        if "root" not in self._meshes:
-            grid = torch.tensor(self.sequence_groups).reshape(self.dp_size, self.ring_size, self.ulysses_size)
-            self._meshes["root"] = meshes.made(grid, self.dp_replicate)
-        return self._meshes["root"]
+        ``ringseq.init(mesh=)``, else ``(dp_replicate, dp_shard, cp, ulysses)`` made on first use,
+        with torchtitan's flattened dimensions made on it (``mesh["dp_shard_cp"]``; ``meshes`` keeps
+        them, as torch >= 2.11 prefers). Every rank must ask for it (the first time makes groups)."""
+        return self._made()["root"]
 
     @property
     def meshes(self) -> dict:
         """The flattened meshes torchtitan uses, by name (``ringseq.meshes``): ``dp_shard_cp``, ``dp``,
         ``dp_cp``, and ``fsdp``, the one to hand ``fully_shard``: ``fully_shard(layer,
         mesh=sp.meshes["fsdp"])``. Every rank must ask for them (the first time makes process groups)."""
+        return {name: mesh for name, mesh in self._made().items() if name != "root"}
+
+    def _made(self) -> dict:
         from . import meshes
 
+        if "root" not in self._meshes:
+            grid = torch.tensor(self.sequence_groups).reshape(self.dp_size, self.ring_size, self.ulysses_size)
+            self._meshes["root"] = meshes.made(grid, self.dp_replicate)
         if "fsdp" not in self._meshes:
-            self._meshes.update(meshes.flattened(self.mesh))
-        return {name: mesh for name, mesh in self._meshes.items() if name != "root"}
+            self._meshes.update(meshes.flattened(self._meshes["root"]))
+        return self._meshes
 
 
 def check_sp(sp) -> None:

@@ -3,6 +3,8 @@
 the same samples (each replica's batch mean, averaged over replicas, clipped as DeepSpeed clips).
 Every rank asserts."""
 import copy
+import shutil
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -33,10 +35,14 @@ def main():
         clip = accelerator.deepspeed_plugin.deepspeed_config.get("gradient_clipping")
     import deepspeed
 
-    got = {}
-    for name, p in accelerator.unwrap_model(model).named_parameters():
-        with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
-            got[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # FSDP2: DTensor
+    def params():
+        out = {}
+        for name, p in accelerator.unwrap_model(model).named_parameters():
+            with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
+                out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # FSDP2: DTensor
+        return out
+
+    got = params()
     plain = reference_step(reference, dp, S, clip)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)
     assert_updates_close(got, plain, exact, dict(tiny_llama().named_parameters()), f"rank {dist.get_rank()}")
@@ -47,6 +53,26 @@ def main():
     assert not hooked, f"torch's context-parallel hooks were attached to {hooked}: two rings"
     print(f"rank {dist.get_rank()}: accelerate {accelerator.distributed_type.value} cp {cp} sp {sp.size} dp {dp} "
           f"clip {clip}: parameters match", flush=True)
+    # Accelerate's own save and resume: a step after load_state equals the step after save_state
+    folder = [tempfile.mkdtemp(prefix="ringseq-accelerate-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(folder, src=0)
+    optimizer.zero_grad()
+    accelerator.save_state(folder[0])
+    later = {k: v.roll(1, 0) for k, v in batch.items()}
+    for _ in range(2):
+        accelerator.backward(model(**later).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        after = params()
+        if _ == 0:
+            first = after
+            accelerator.load_state(folder[0])
+    for name in first:
+        assert torch.equal(first[name], after[name]), f"rank {dist.get_rank()}: {name} differs after load_state"
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(folder[0], ignore_errors=True)
+    print(f"rank {dist.get_rank()}: save_state / load_state: the next step matches", flush=True)
     accelerator.end_training()
 
 

@@ -251,21 +251,20 @@ def checkpoint_round_trip(engine, sp, config, S):
 
 
 def resume_at_another_shape(engine, sp, config, S, sp_size):
-    """Save at this sp_size, resume in a fresh engine at another one (same world), then one more
-    step of the same global batch on both: equal to fp32 rounding (1e-5 of the step's update). ringseq's ZeRO partitions
-    over the sequence x data group (the whole world) whatever sp_size is, and the weights are
-    replicated over the sequence group, so the checkpoint loads as it is; the new shape's data
-    parallelism is made up by gradient accumulation so that a step sees the same sequences."""
+    """Save at this sp_size, resume in a fresh engine at another one (same world; more or fewer
+    replicas), then one more step of the same global batch on both: equal to fp32 rounding (1e-5 of the
+    step's update). DeepSpeed partitions ZeRO over every rank whatever sp_size is, and the weights are
+    replicated over the sequence group, so the checkpoint loads as it is; the new shape deals the
+    global batch's rows over its replicas, in micro-batches of at most 2 (accumulated)."""
     folder = [tempfile.mkdtemp(prefix="ringseq-reshape-")]
     dist.broadcast_object_list(folder, src=0)
     engine.save_checkpoint(folder[0], tag="step1")
     new_sp = ringseq.init(sp_size=sp_size)
-    if sp.dp_size % new_sp.dp_size:
-        raise SystemExit(f"resume_sp={sp_size}: its {new_sp.dp_size} replicas must divide the {sp.dp_size} "
-                         f"of sp {sp.size}")
-    accumulate = sp.dp_size // new_sp.dp_size
+    rows = torch.cat([batch_for(d + 7, S)["input_ids"] for d in range(sp.dp_size)])  # the old replicas' rows
+    mine = rows.chunk(new_sp.dp_size)[new_sp.dp_rank]
+    micro = min(2, mine.size(0))
     reshaped = {k: v for k, v in config.items() if k != "train_batch_size"}
-    reshaped["gradient_accumulation_steps"] = accumulate
+    reshaped.update(train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=mine.size(0) // micro)
     fresh = tiny_llama()
     other, *_ = ringseq.initialize(sp=new_sp, model=fresh, config=reshaped,
                                    optimizer=torch.optim.SGD(fresh.parameters(), lr=1.0, momentum=0.9))
@@ -273,8 +272,8 @@ def resume_at_another_shape(engine, sp, config, S, sp_size):
     before = gathered(engine)
     engine.backward(engine(**batch_for(sp.dp_rank + 7, S)).loss)
     engine.step()
-    for micro in range(accumulate):  # replica d of the new shape takes the old replicas d*acc .. d*acc+acc-1
-        other.backward(other(**batch_for(new_sp.dp_rank * accumulate + micro + 7, S)).loss)
+    for part in mine.split(micro):
+        other.backward(other(input_ids=part, labels=part).loss)
         other.step()
     a, b = gathered(engine), gathered(other)
     for name in a:  # the two shapes sum gradients in different orders: equal to fp32 rounding

@@ -43,5 +43,7 @@ def test_deepspeed_initialize_itself_and_its_batch_and_data(pool4):
                     "stage=2,engine=sequence_mpu", "stage=2,batch=2", "stage=2,batch=4", "stage=1,engine=data")
 
 
-def test_deepspeed_zero_1_checkpoint_resumes_at_another_shape(pool4):
-    deepspeed_cases(pool4, "stage=1,sp=2,checkpoint,resume_sp=4")
+def test_deepspeed_checkpoints_resume_at_another_shape_and_back(pool4):
+    """sp 2 -> sp 4 above (ZeRO-3); here ZeRO-1 sp 2 -> sp 4, and back: ZeRO-3 and ZeRO-2 sp 4 -> sp 2."""
+    deepspeed_cases(pool4, "stage=1,sp=2,checkpoint,resume_sp=4", "stage=3,sp=4,resume_sp=2",
+                    "stage=2,sp=4,resume_sp=2")

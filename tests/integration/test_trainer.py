@@ -62,7 +62,8 @@ def test_trainer_under_accelerate_launch_with_the_shipped_config(pool2):
 # processes (one sequence group): DeepSpeed's data-parallel reductions beside sequence groups are
 # stepped at 4 processes in test_deepspeed.py's ds_step cases, the Trainer's at 4 under DDP above.
 # FSDP2 (accelerate launch --use_fsdp) at 4 processes, 2 replicas of 2, alone and with Accelerate's own context
-# parallelism config (its cp dimension is ringseq's sequence group; torch's context-parallel hooks never attached)
+# parallelism config (its cp dimension is ringseq's sequence group; torch's context-parallel hooks never attached);
+# each then saves and loads its state with Accelerate (save_state / load_state) and steps on
 @pytest.mark.parametrize("flags,nproc,env", [
     (["--multi_gpu"], 2, {}), (["--use_deepspeed", "--zero_stage", "3"], 2, {}),
     (["--use_fsdp", "--fsdp_version", "2"], 4, {}),
@@ -72,6 +73,7 @@ def test_accelerate_step_equals_single_process(pools, flags, nproc, env):
     out = reported(pools(nproc).run_script(HERE / "accelerate_step.py", launcher=("accelerate", *flags),
                                            env={"RINGSEQ_SP_SIZE": "2", **env}, cwd=HERE), "parameters match", nproc)
     assert out.count(f"cp {2 if env else 1} ") == nproc, out[-3000:]
+    assert out.count("save_state / load_state: the next step matches") == nproc, out[-3000:]
 
 
 def test_accelerate_own_sp_size_is_refused():
