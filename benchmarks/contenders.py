@@ -83,16 +83,33 @@ class Ringseq:
         model.train()
         ringseq.patch(model, sp=sp, chunked_loss="loss" in features, tiled_mlp=True if "tiled" in features else None,
                       keep_ring_outputs="replay" not in features, head_groups="kv" if "groups" in features else None)
-        self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=DS_CONFIG,
+        if "fsdp2" in features:  # FSDP2 as torchtitan applies it: every decoder layer, then the root (all ranks)
+            from torch.distributed.fsdp import fully_shard
+
+            for layer in model.model.layers:
+                fully_shard(layer)
+            self.model, self.engine = fully_shard(model), None
+            self.opt = torch.optim.SGD(model.parameters(), lr=1e-4)
+            return
+        config = {**DS_CONFIG, "zero_optimization": {"stage": 3 if "zero3" in features else 1}}
+        self.engine, *_ = ringseq.initialize(sp=sp, model=model, config=config,
                                              optimizer=torch.optim.SGD(model.parameters(), lr=1e-4))
 
     def forward_backward(self, N):
         b = batch(N)
+        if self.engine is None:
+            loss = self.model(input_ids=b["input_ids"], labels=b["labels"]).loss
+            loss.backward()
+            return loss.item()
         loss = self.engine(input_ids=b["input_ids"], labels=b["labels"]).loss
         self.engine.backward(loss)
         return loss.item()
 
     def optimizer_step(self):
+        if self.engine is None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+            return
         self.engine.step()
 
     def fit_report(self) -> dict | None:

@@ -14,7 +14,9 @@ Systems (one fresh process tree each, gloo, one SGD step = forward + backward + 
   ``ckpt`` (checkpointing that keeps ring outputs), ``replay`` (checkpointing whose recompute
   replays the ring: ``keep_ring_outputs=False``), ``tiled`` (tiled MLP), ``offload`` (checkpointed
   activations in host memory: on CPU a copy that saves nothing), ``groups`` (one ring per kv head:
-  ``patch(head_groups="kv")``; without it one ring for all heads, the default); or ``fit``
+  ``patch(head_groups="kv")``; without it one ring for all heads, the default), and the engine:
+  ZeRO-1 by default, ``zero3`` (DeepSpeed ZeRO-3) or ``fsdp2`` (FSDP2 ``fully_shard`` per decoder
+  layer and root over every rank, torch's SGD; no DeepSpeed); or ``fit``
   (``patch(fit=True, memory_budget=`` the budget ``)``: the planner picks the switches for each N;
   a probe it refuses, before the step, counts as not fitting, and a probe records what it chose
   and its predicted step memory at N beside the measured one; its search is ``fit_search``, since

@@ -91,7 +91,8 @@ def predict(inputs: dict) -> dict:
 
 def longest_inputs(system: str, N: int, switches: dict | None = None) -> dict | None:
     """The ``ringseq.plan`` keywords of one ``longest.py`` probe (its "bench" Llama, fp32, one SGD
-    step), or None for what the planner does not cost: DeepSpeed ALST. ``groups``: one ring per kv
+    step), or None for what the planner does not cost: DeepSpeed ALST and ZeRO-3. ``fsdp2``: FSDP2 over
+    every rank (``plan(zero_stage=3, fsdp=True)``). ``groups``: one ring per kv
     head; ``replay``: checkpointing that replays the ring (``keep_ring_outputs=False``). ringseq runs through
     ``ringseq.initialize`` with ZeRO-1 (so DeepSpeed's reduce bucket counts), the unpatched model
     without DeepSpeed; ``tiled`` is ``tiled_mlp=True``, one tile per hidden_size local tokens.
@@ -99,8 +100,8 @@ def longest_inputs(system: str, N: int, switches: dict | None = None) -> dict | 
     from ringseq.patches.tiled_mlp import tiles_for
 
     kind, P, features = longest.parse_system(system)
-    if kind == "alst" or ("fit" in features and switches is None):
-        return None
+    if kind == "alst" or ("fit" in features and switches is None) or "zero3" in features:
+        return None  # DeepSpeed's ZeRO-3 buckets and prefetch are not costed (its step: docs/memory.md)
     if "fit" in features:
         features = tuple(name for name, on in (
             ("loss", switches["chunked_loss"]), ("ckpt", switches["checkpointing"] and switches["keep_ring_outputs"]),
@@ -108,8 +109,8 @@ def longest_inputs(system: str, N: int, switches: dict | None = None) -> dict | 
             ("tiled", switches["tiled_mlp"]), ("groups", switches["head_groups"] == "kv")) if on)
     model = contenders.MODELS["bench"]
     tiles = tiles_for(True, N // P, model["hidden_size"]) if "tiled" in features else 1
-    return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu",
-                zero_stage=0 if kind == "unpatched" else 1,
+    return dict(model=model, seq_len=N, gpus=P, gpus_per_node=P, hardware="cpu", fsdp="fsdp2" in features,
+                zero_stage=0 if kind == "unpatched" else 3 if "fsdp2" in features else 1,
                 optimizer=kind != "unpatched", chunked_loss="loss" in features,
                 checkpointing="ckpt" in features or "replay" in features, keep_ring_outputs="replay" not in features,
                 tiled_mlp=tiles if tiles > 1 else None, offload="offload" in features, layout="zigzag", ulysses_size=1,

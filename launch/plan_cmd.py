@@ -46,6 +46,9 @@ def add_parser(sub) -> None:
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=3,
                    help="DeepSpeed ZeRO stage: 1 shards optimizer state, 2 also gradients, 3 also weights "
                         "(default: %(default)s)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="FSDP2's full sharding instead of DeepSpeed's ZeRO-3 (with --zero-stage 3): the root's "
+                        "parameters and gradients and a layer gathered within the step (default: off)")
     p.add_argument("--sp-size", type=int, default=None,
                    help="ranks per sequence; the others are data-parallel replicas (default: all gpus)")
     p.add_argument("--layout", choices=LAYOUTS, default="zigzag",
@@ -81,7 +84,8 @@ def make_plan(args):
                         hardware=args.hardware, zero_stage=args.zero_stage, training=not args.inference,
                         layout=args.layout, sp_size=args.sp_size, checkpointing=args.checkpointing,
                         keep_ring_outputs=not args.replay_ring, tiled_mlp=args.tiled_mlp, offload=args.offload, intra_gbps=args.intra_gbps,
-                        inter_gbps=args.inter_gbps, tflops=args.tflops, head_groups=_head_groups(args.head_groups))
+                        inter_gbps=args.inter_gbps, tflops=args.tflops, head_groups=_head_groups(args.head_groups),
+                        fsdp=args.fsdp)
 
 
 def _head_groups(text):

@@ -125,10 +125,10 @@ def _setting(model, handle) -> planner_fit.Setting:
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() if cuda else world) or world)
     U = sp.size // sp.ring_size
-    stage, shards = handle.zero_stage, world  # DeepSpeed shards over the world; FSDP over its shard dimension
+    stage, shards, fsdp = handle.zero_stage, world, False  # DeepSpeed shards over the world; FSDP its dimension
     if handle.sharding is not None:
-        stage, shards = handle.sharding.stage, handle.sharding.ranks
-    return planner_fit.Setting(spec=model_spec(model.config.get_text_config()), hw=hw, zero_stage=stage,
+        stage, shards, fsdp = handle.sharding.stage, handle.sharding.ranks, handle.sharding.fsdp2
+    return planner_fit.Setting(spec=model_spec(model.config.get_text_config()), hw=hw, zero_stage=stage, fsdp=fsdp,
                                ring=sp.ring_size, ulysses=U, gpus=shards, per_node=max(1, min(per_node, world)),
                                layout=sp.layout, may_tile=True, may_offload=cuda)
 

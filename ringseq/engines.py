@@ -10,7 +10,7 @@ frames above the patched forward) and FSDP2 states on its own modules. Then:
 * **exact as it is**: DistributedDataParallel over whole sequence groups (the world, or a set of
   replicas) with its own average or torch's ``allreduce_hook`` / ``fp16_compress_hook`` /
   ``bf16_compress_hook``; FSDP2 ``fully_shard`` per layer and on the root over whole groups (the
-  default world mesh, ``sp.mesh["dp_shard_cp"]``, HSDP) with its default divide factor; FSDP1;
+  default world mesh, ``sp.meshes["fsdp"]``, HSDP) with its default divide factor; FSDP1;
   DeepSpeed ZeRO 0-3 without an mpu (``ringseq.initialize``) or with ``sp.mpu``;
 * **made exact**: DistributedDataParallel over the data ranks only (``process_group=sp.dp_group``,
   a sequence group's ranks in different DDPs) gets torch's ``allreduce_hook`` over the world, the
@@ -38,16 +38,18 @@ FRAMES = 64
 """How far above the patched forward a wrapper's ``forward`` is looked for (DDP over PEFT over the
 model is about 10 frames up)."""
 ENGINE_FIX = ("wrap the model over all ranks (the default), or over ranks that hold whole sequence groups: "
-              "sp.mesh['dp_shard_cp'] for fully_shard, HSDP over sp.mesh['dp_replicate', 'dp_shard_cp']")
+              "fully_shard(..., mesh=sp.meshes['fsdp']) (dp_shard x cp; HSDP where there are pure replicas)")
 
 
 @dataclasses.dataclass(frozen=True)
 class Sharding:
     """How an FSDP engine holds the model, as ``ringseq.planner`` costs it: ZeRO's stage (FSDP2 and
-    FSDP1's FULL_SHARD shard parameters, gradients and optimizer states: 3) over ``ranks`` ranks."""
+    FSDP1's FULL_SHARD shard parameters, gradients and optimizer states: 3) over ``ranks`` ranks;
+    ``fsdp2``: FSDP2's (the planner's ``fsdp``: what it gathers within the step)."""
 
     stage: int
     ranks: int
+    fsdp2: bool = False
 
 
 def check(model, sp) -> Sharding | None:
@@ -88,7 +90,7 @@ def _sharding(states, fsdp1) -> Sharding | None:
     """FSDP2's shard dimension (the largest of the model's groups), else FSDP1's shard group, else None."""
     sizes = [getattr(g.mesh_info, "shard_mesh_size", 1) for m in states for g in _param_groups(m)]
     if sizes:
-        return Sharding(stage=3 if max(sizes) > 1 else 0, ranks=max(sizes))
+        return Sharding(stage=3 if max(sizes) > 1 else 0, ranks=max(sizes), fsdp2=max(sizes) > 1)
     if fsdp1:
         from torch.distributed.fsdp import ShardingStrategy
 
@@ -125,11 +127,11 @@ def _fsdp2_class():
     return FSDPModule
 
 
-def _mean_hooks():
+def _mean_hooks() -> tuple:
+    """torch's DDP hooks that average over their state's group (the world when None)."""
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-    return {default_hooks.allreduce_hook: "allreduce_hook", default_hooks.fp16_compress_hook: "fp16_compress_hook",
-            default_hooks.bf16_compress_hook: "bf16_compress_hook"}
+    return default_hooks.allreduce_hook, default_hooks.fp16_compress_hook, default_hooks.bf16_compress_hook
 
 
 def _ddp(ddp, sp) -> None:

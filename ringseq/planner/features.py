@@ -14,6 +14,11 @@ class Features:
     """forward + backward (False: one forward, e.g. a prefill)."""
     zero_stage: int = 3
     """DeepSpeed ZeRO stage 0-3: 1 shards optimizer state, 2 also gradients, 3 also weights, over all ranks."""
+    fsdp: bool = False
+    """The weights are sharded by FSDP2 (``fully_shard`` per layer and root; with ``zero_stage`` 3): the
+    root's own parameters (embeddings, head, final norm) stay gathered from its forward to the end of its
+    backward and their gradients whole until its reduce-scatter, and a layer is gathered in the step
+    beside the one prefetched: all of it is allocated by the step, not held between steps."""
     optimizer: bool = True
     """Adam state and the gradient reduction (False: forward + backward only, as the CPU validation measures)."""
     checkpointing: bool = False
@@ -55,6 +60,8 @@ class Features:
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise RingSeqError(f"zero_stage must be 0, 1, 2 or 3, got {self.zero_stage!r}")
+        if self.fsdp and self.zero_stage != 3:
+            raise RingSeqError(f"fsdp=True is FSDP2's full sharding (zero_stage 3), got zero_stage {self.zero_stage}")
         if self.tiled_mlp is not None and (isinstance(self.tiled_mlp, bool) or self.tiled_mlp < 1):
             raise RingSeqError(f"tiled_mlp must be a number of tiles >= 1 or None, got {self.tiled_mlp!r}")
         if self.micro_batch < 1:

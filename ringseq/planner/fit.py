@@ -68,6 +68,8 @@ class Setting:
     spec: ModelSpec
     hw: Hardware
     zero_stage: int = 0
+    fsdp: bool = False
+    """FSDP2's full sharding (``Features.fsdp``) rather than DeepSpeed's."""
     ring: int = 1
     ulysses: int = 1
     gpus: int = 1
@@ -85,7 +87,8 @@ class Setting:
 
     def features(self, sw: Switches, S: int, B: int) -> Features:
         tiles = max(1, math.ceil(S / self.sp_size / self.spec.d)) if sw.tiled_mlp else 1
-        return Features(training=True, zero_stage=self.zero_stage, optimizer=True, checkpointing=sw.checkpointing,
+        return Features(training=True, zero_stage=self.zero_stage, fsdp=self.fsdp, optimizer=True,
+                        checkpointing=sw.checkpointing,
                         keep_ring_outputs=sw.keep_ring_outputs, tiled_mlp=tiles if tiles > 1 else None,
                         chunked_loss=sw.chunked_loss, micro_batch=B, head_groups=sw.head_groups,
                         offload_activations=sw.offload_activations)

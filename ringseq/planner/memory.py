@@ -114,8 +114,8 @@ def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state per rank."""
     N = m.params
     weights = N * b / (G if f.zero_stage >= 3 else 1)
-    if f.zero_stage >= 3:  # the gathered weights of the layer in use and the one prefetched
-        weights += 2 * (m.layer_params + 2 * m.d) * b
+    if f.zero_stage >= 3 and not f.fsdp:  # the gathered weights of the layer in use and the one prefetched
+        weights += 2 * (m.layer_params + 2 * m.d) * b  # (FSDP2's: allocated by the step, ``step_phases``)
     grads = N * b / (G if f.zero_stage >= 2 else 1) if f.training else 0.0
     adam = (8 + (4 if b < 4 else 0)) * N / (G if f.zero_stage >= 1 else 1)  # m, v (+ fp32 master)
     optimizer = adam if f.training and f.optimizer and not f.offload else 0.0
@@ -156,6 +156,13 @@ def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: in
         end=dict(grads=grads, activations=0.0, transient=0.0))
     if 1 <= f.zero_stage <= 2 and f.optimizer:  # DeepSpeed copies the gradients into its reduce bucket
         phases["end"]["transient"] = min(m.params, REDUCE_BUCKET) * (4 if f.zero_stage == 1 else b)
+    if f.fsdp:  # what FSDP2 gathers within the step (``Features.fsdp``)
+        root = (m.V * m.d * (1 if m.tied else 2) + m.d) * b
+        layers = 2 * (m.layer_params + 2 * m.d) * b
+        # at the end the root's whole gradients, its reduce-scatter's input copy and its output shard
+        for name, extra in (("loss", root), ("top", root + layers), ("bottom", root + layers),
+                            ("end", 2 * root + root / G)):
+            phases[name]["transient"] += extra
     return phases
 
 

@@ -271,7 +271,7 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
          tiled_mlp: int | None = None,
          chunked_loss: bool = True, offload: bool = False, optimizer: bool = True, micro_batch: int = 1,
          intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None,
-         head_groups: int | str | None = None, offload_activations: bool = False) -> Plan:
+         head_groups: int | str | None = None, offload_activations: bool = False, fsdp: bool = False) -> Plan:
     """Predict per-rank memory and step time of fine-tuning ``model`` (a transformers config, a
     dict of its fields or a path to config.json) on sequences of ``seq_len`` tokens over ``gpus``
     devices (``gpus_per_node`` per node), one sequence group of ``sp_size`` ranks (default: all)
@@ -284,14 +284,16 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
     ``keep_ring_outputs=False`` (with ``checkpointing``, ``ringseq.patch``'s) costs the recompute
     that replays the ring: each layer keeps its input alone, and runs its ring forward once more.
     ``offload_activations=True`` (with ``checkpointing``) costs the kept tensors in host memory:
-    off the device, copied out and back over the host link (``pcie_gbps``) each step."""
+    off the device, copied out and back over the host link (``pcie_gbps``) each step. ``fsdp=True``
+    (with ``zero_stage=3``) costs FSDP2's full sharding instead of DeepSpeed's ZeRO-3: what it
+    gathers within the step (the root's parameters and gradients, a layer and the one prefetched)."""
     m = model_spec(model)
     sp_size = gpus if sp_size is None else sp_size
     _check(seq_len, gpus, gpus_per_node, sp_size, layout)
     hw = get_hardware(hardware, intra_gbps=intra_gbps, inter_gbps=inter_gbps, tflops=tflops)
     f = Features(training=training, zero_stage=zero_stage, optimizer=optimizer, checkpointing=checkpointing,
                  keep_ring_outputs=keep_ring_outputs, tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
-                 head_groups=head_groups, offload_activations=offload_activations)
+                 head_groups=head_groups, offload_activations=offload_activations, fsdp=fsdp)
     sizes = ulysses_sizes(m, sp_size)
     if ulysses_size is not None and ulysses_size not in sizes:
         raise RingSeqError(f"ulysses_size {ulysses_size} cannot split this model over sp_size {sp_size} "

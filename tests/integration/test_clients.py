@@ -36,8 +36,7 @@ def test_sft_and_run_clm_metrics_under_fsdp2(pool2, reference):
     """TrainingArguments(fsdp=True, fsdp_config={"version": 2}): Accelerate's FSDP2 (on gloo,
     ringseq.launch.accelerate_fsdp), TRL's fused head reading a head FSDP2 shards apart. In fp32: FSDP2's
     own mixed precision is its arithmetic, not autocast's (bf16 beside FSDP2: tests/integration/test_engines.py)."""
-    scenarios = ["packing@fsdp", "peft@fsdp", "padding_free@fsdp", "model_id@fsdp", "clm@fsdp", "vlm@fsdp",
-                 "vlm_trainer@fsdp"]
+    scenarios = ["packing@fsdp", "peft@fsdp", "clm@fsdp", "vlm@fsdp"]
     each_ok(pool2.run_script(HERE / "client_step.py", "ringseq", "--reference", reference, *scenarios,
                              launcher="torchrun", env=ENV), scenarios, 2)
 

@@ -33,10 +33,9 @@ def test_grpo_one_group_equals_one_trl_process(pools, reference, nproc):
 
 
 def test_grpo_under_fsdp2_equals_one_trl_process(pool2, reference):
-    """GRPOConfig(fsdp=True, fsdp_config={"version": 2}): generation, the reference model (a model id, or
-    the adapter off) and the policy's steps under Accelerate's FSDP2."""
-    run(pool2, "--reference", reference, scenarios=["grpo@fsdp", "bnpo_ref@fsdp", "peft@fsdp", "vlm@fsdp"],
-        launcher="torchrun")
+    """GRPOConfig(fsdp=True, fsdp_config={"version": 2}): generation, evaluation, the reference model (the
+    adapter off) and the policy's steps under Accelerate's FSDP2, text and VLM."""
+    run(pool2, "--reference", reference, scenarios=["grpo@fsdp", "peft@fsdp", "vlm@fsdp"], launcher="torchrun")
 
 
 # the second pair repeats the first's glue under ZeRO-2 and with two iterations: behind -m slow (the budget)

@@ -56,8 +56,8 @@ def test_the_longest_check_covers_p_2_and_4_and_the_memory_features():
     features = {f for r in LONGEST for f in r["system"].split(":")[2].split(",") if f}
     # groups: one ring per kv head (patch(head_groups="kv")); replay: checkpointing that replays the ring;
     # fit: patch(fit=True), each probe costed by the switches it recorded
-    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled", "replay", "fit"} <= features <= {
-        "loss", "ckpt", "tiled", "groups", "replay", "fit"}
+    assert {r["P"] for r in LONGEST} == {1, 2, 4} and {"loss", "ckpt", "tiled", "replay", "fit", "fsdp2"} <= features <= {
+        "loss", "ckpt", "tiled", "groups", "replay", "fit", "fsdp2"}
     # points where activations, not the gradients' floor, set the peak, for each feature set
     systems = {r["system"] for r in LONGEST}
     floor = min(r["measured_mb"] for r in LONGEST if r["P"] > 1)
