@@ -43,14 +43,15 @@ def _drop_packing_metadata(kwargs: dict, position_ids, recurrent: bool) -> None:
 
 
 def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels, shift_labels,
-           ringseq, counted: bool, balance: bool) -> tuple[dict, ShardedBatch]:
-    """This rank's inputs and the batch's facts: sharded here from the full batch, or as
-    ``ringseq.shard_batch`` made them (its ``labels`` are then already shifted)."""
+           ringseq, counted: bool, balance: bool, vocab: int | None = None) -> tuple[dict, ShardedBatch]:
+    """This rank's inputs and the batch's facts: sharded here from the full batch (its token ids
+    and labels checked against ``vocab``), or as ``ringseq.shard_batch`` made them (its ``labels``
+    are then already shifted)."""
     if ringseq is None:
         full = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                 "position_ids": position_ids, "labels": labels, "shift_labels": shift_labels}
         return sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
-                       documents_apart=handle.documents_apart, balance=balance)
+                       documents_apart=handle.documents_apart, balance=balance, vocab=vocab)
     if not isinstance(ringseq, ShardedBatch):
         raise RingSeqError(f"ringseq= must be what ringseq.shard_batch put in the batch, got {type(ringseq).__name__}")
     if labels is not None and shift_labels is not None:
@@ -83,17 +84,22 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     handle = self._ringseq_patch
     if past_key_values is None:  # transformers >= 5.24 names it ``cache`` (and validates generate's kwargs by it)
         past_key_values = cache
-    if kwargs.get("output_attentions"):
-        raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
-    if past_key_values is not None or use_cache:
-        if fused_lm_head or logits_fn is not None:
+    cached = past_key_values is not None or bool(use_cache)
+    try:  # this rank's own misuse: refused in the batch's agreement, so every rank raises in this step, in step
+        if kwargs.get("output_attentions"):
+            raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
+        if cached and (fused_lm_head or logits_fn is not None):
             raise RingSeqError("fused_lm_head / logits_fn with a KV cache: generation computes plain logits")
+        if not cached:
+            _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
+            if torch.is_grad_enabled():  # the engine around the model must average as the gradient rule needs
+                handle.sharding = engines.check(self, handle.sp) or handle.sharding
+    except RingSeqError as err:
+        lockstep.refuse(handle.sp, "batch", err)
+    if cached:
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
         return cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask, position_ids,
                               logits_to_keep, kwargs)
-    if torch.is_grad_enabled():  # the engine around the model must average as the gradient rule needs
-        handle.sharding = engines.check(self, handle.sp) or handle.sharding
-    _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
     unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
     balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)
     router = _router(self, handle, kwargs)
@@ -114,7 +120,7 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
             else:
                 local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
                                       shift_labels, ringseq, counted=num_items_in_batch is not None,
-                                      balance=balance)
+                                      balance=balance, vocab=_vocabulary(self))
                 batch = batch.with_head_groups(handle.head_groups)
                 padding = local.get("attention_mask")
                 if handle.recurrent and padding is not None:
@@ -154,6 +160,12 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         loss = loss + router.coef * aux.to(loss.dtype)
     # this rank's router logits are in the layout's token order and of its tokens only: not returned
     return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux.float(), logits=logits, hidden_states=out.hidden_states)
+
+
+def _vocabulary(model) -> int | None:
+    """The token ids the model reads: its input embedding's rows (kept under FSDP2 and ZeRO-3 sharding)."""
+    embedding = model.get_input_embeddings()
+    return getattr(embedding, "num_embeddings", None) or getattr(model.config.get_text_config(), "vocab_size", None)
 
 
 def _balance(model, handle, labelled: bool, fused_lm_head: bool, logits_fn, kwargs: dict) -> bool:

@@ -223,6 +223,37 @@ def check_batch(batch: dict) -> None:
                            f"[R, {B}, {S}]); got {pos.dtype} {tuple(pos.shape)}")
 
 
+def _check_form(batch) -> None:
+    """What makes a batch unreadable: not a dict, tensors under keys ringseq does not shard, no tokens."""
+    if not isinstance(batch, Mapping):
+        raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
+                           f"collate the samples first (e.g. with a DataCollator)")
+    unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
+    if unknown:
+        raise RingSeqError(f"shard_batch does not know how to shard {unknown}; it handles {list(SEQUENCE_KEYS)}")
+    if not torch.is_tensor(batch.get("input_ids", batch.get("inputs_embeds"))):
+        raise RingSeqError("the batch needs input_ids or inputs_embeds (a tensor)")
+
+
+def check_vocabulary(batch: dict, vocab: int) -> None:
+    """Token ids in [0, vocab) and labels there or -100, else a ``RingSeqError`` naming the first bad
+    value and its place (the unpatched model raises torch's IndexError or a cross-entropy error from
+    deep inside; here every rank holds the same agreed batch, so every rank raises this alike)."""
+    for key, ignore in (("input_ids", None), ("labels", IGNORE), ("shift_labels", IGNORE)):
+        t = batch.get(key)
+        if not torch.is_tensor(t) or t.numel() == 0:
+            continue
+        bad = (t < 0) | (t >= vocab)
+        if ignore is not None:
+            bad &= t != ignore
+        if bool(bad.any()):
+            place = [int(i) for i in bad.reshape(t.shape).nonzero()[0]]
+            allowed = f"[0, {vocab})" + (f" or {ignore} (ignored)" if ignore is not None else "")
+            raise RingSeqError(f"{key} holds {int(t[tuple(place)])} at {place} (row, position), outside the model's "
+                               f"vocabulary: {key} must be in {allowed}. Check the tokenizer against the model's "
+                               f"vocab_size (resize_token_embeddings after adding tokens)")
+
+
 def shard_batch(batch: dict, *, sp, documents_apart: bool = True, balance: bool = True) -> dict:
     """Full batch (every rank of the sequence group holds the same one) -> this rank's shard.
 
@@ -254,24 +285,23 @@ def shard_batch(batch: dict, *, sp, documents_apart: bool = True, balance: bool 
 
 
 def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: bool = False,
-            balance: bool = True) -> tuple[dict, ShardedBatch]:
+            balance: bool = True, vocab: int | None = None) -> tuple[dict, ShardedBatch]:
     """``shard_batch``'s dict and its ``ShardedBatch`` (also ``dict["ringseq"]``). ``blocks``: [B, S]
     bidirectional block ids of the full batch (-1: none; ``ringseq.attention.masks``). ``agreed``:
     the caller has checked that the ranks hold the same inputs this batch was made from (a VLM's
     merged embeddings), so their contents are not compared again, only their shapes. ``balance``:
-    lay packed documents out by work (zigzag layout only; ``shard_batch``)."""
+    lay packed documents out by work (zigzag layout only; ``shard_batch``). ``vocab``: the model's
+    vocabulary size; token ids and labels outside it are refused (``check_vocabulary``)."""
     check_sp(sp)
-    if not isinstance(batch, Mapping):
-        raise RingSeqError(f"a batch is a dict of tensors (input_ids, labels, ...), got {type(batch).__name__}: "
-                           f"collate the samples first (e.g. with a DataCollator)")
-    unknown = [k for k, v in batch.items() if k not in SEQUENCE_KEYS and torch.is_tensor(v)]
-    if unknown:
-        raise RingSeqError(f"shard_batch does not know how to shard {unknown}; it handles {list(SEQUENCE_KEYS)}")
+    try:  # this rank's batch has no form to compare: refused in the batch's agreement, every rank raising in step
+        _check_form(batch)
+    except RingSeqError as err:
+        lockstep.refuse(sp, "batch", err)
     tokens = batch.get("input_ids", batch.get("inputs_embeds"))
-    if not torch.is_tensor(tokens):
-        raise RingSeqError("the batch needs input_ids or inputs_embeds (a tensor)")
     check_same_batch(batch, sp, contents=not agreed)  # first: every rank then raises the same errors below, or none
     check_batch(batch)
+    if vocab is not None:
+        check_vocabulary(batch, vocab)
     B, S = tokens.shape[:2]
     batch = {k: v for k, v in batch.items() if v is not None}
     if batch.get("position_ids") is None:

@@ -62,8 +62,8 @@ attention outputs, or of the prompt's last hidden state (``ringseq.attention.dec
 ``ringseq.GRPOTrainer``'s broadcast of group rank 0's rewards."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
-          "position")
-_KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _ULYSSES, _POSITION = 0, 1, 2, 3, 6, 7, 8
+          "position", "refused")
+_KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _ULYSSES, _POSITION, _REFUSED = 0, 1, 2, 3, 6, 7, 8, 9
 
 _layer = contextvars.ContextVar("ringseq_layer", default=-1)
 
@@ -279,10 +279,25 @@ def _ledgers(table: list, kind: str, in_step: bool) -> list[list[int]]:
             for row, t in zip(table, entered)]
 
 
-def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int | None = None) -> int:
+def refuse(sp, kind: str, error: RingSeqError, position: int | None = None):
+    """This rank refuses its own call (its arguments: devices, dtypes, flags, numbers out of range):
+    the call's agreement carries the refusal, so every rank of the group raises in this same call
+    (this one ``error``, which says what to fix; its peers name it and quote it), before any
+    transfer, and the call's number is spent on every rank alike: the group stays in step, and a
+    loop that skips the step goes on exact. Never returns."""
+    try:
+        agree(sp, kind, {}, position=position, refusal=str(error))
+    except RingSeqError:
+        pass
+    raise error
+
+
+def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int | None = None,
+          refusal: str | None = None) -> int:
     """All-gather this rank's record of the collective it is about to make; raise
     ``RingSeqError`` on every rank unless the ranks are in step. Returns its sequence number.
-    ``kind`` "batch" (and "resync", with ``position`` = the caller's step) is a resync point."""
+    ``kind`` "batch" (and "resync", with ``position`` = the caller's step) is a resync point.
+    ``refusal``: this rank refuses the call (``refuse``): every rank raises, quoting it."""
     st = state(sp)
     if st.broken:
         raise RingSeqError(f"this sequence group cannot go on: {st.broken}. Its transfers are out of step for good; "
@@ -296,8 +311,9 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         st.failure = None
         return number
     failed = st.failure or (-1, -1, -1)
+    reason = (refusal or "").encode()
     values = [KINDS.index(kind), number, current_layer(), *failed, LAYOUTS.index(sp.layout), sp.ulysses_size,
-              -1 if position is None else int(position), *fields.values()]
+              -1 if position is None else int(position), len(reason), *fields.values()]
     if len(values) > RECORD - PAYLOAD:
         raise AssertionError(f"a lockstep record holds at most {RECORD - PAYLOAD} fields")
     names = [*HEADER, *fields]
@@ -308,6 +324,12 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - n) + history + _snapshot(sp), dtype=torch.int64)
         rows = _exchange(sp, mine, f"the agreement of {kind} #{number}{at_layer()}")
         table = rows.tolist()  # compared on the host: no tensor operation when the ranks are in step
+        if any(row[_REFUSED] for row in table):  # a rank refused this call: every rank raises in it, in step
+            st.peers = _ledgers(table, kind, False)
+            if late is not None:
+                raise RingSeqError(late)
+            st.agreed_at = max(from_bits(row[-1]) for row in table)
+            _raise_refusals(sp, table, reason, f"{kind} #{number}{at_layer()}")
         compared = rows[:, :n]
         verdict = "in step" if all(row[:n] == table[0][:n] for row in table) else None
         st.peers = _ledgers(table, kind, verdict == "in step")
@@ -337,6 +359,27 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         raise RingSeqError(message)
 
 
+def _raise_refusals(sp, table: list, mine: bytes, what: str):
+    """Every refusal's words, all-gathered in full (one all-gather of the longest's bytes), then
+    the refusing ranks raise their own and the others name them and quote them."""
+    lengths = [row[_REFUSED] for row in table]
+    width = max(lengths)
+    buffer = torch.zeros(width, dtype=torch.uint8)
+    if mine:
+        buffer[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+    every = torch.empty(sp.size * width, dtype=torch.uint8)
+    work = _all_gather_single(every, buffer, group=sp.check_group, async_op=True)
+    wait(work, sp, f"the refusals of {what}", peer=None, gloo=True)
+    texts = {r: bytes(every[r * width:r * width + n].tolist()).decode(errors="replace")
+             for r, n in enumerate(lengths) if n}
+    if mine:
+        raise RingSeqError(mine.decode())
+    named = "; ".join(f"global rank {sp.ranks[r]} refused its call: {text}" for r, text in texts.items())
+    raise RingSeqError(f"{what} was refused by another rank of the group, so every rank raises in it ({named}). "
+                       f"Fix that rank's call; the group stays in step: the next call (or a loop that skips this "
+                       f"step) goes on")
+
+
 def _digest(values) -> int:
     """A batch record's fields as one int64 (0 is kept for "no batch")."""
     return hash(tuple(int(v) for v in values)) % (2**62) + 1
@@ -364,8 +407,8 @@ def _resync(st: _State, rows: torch.Tensor, n: int, me: int) -> str | None:
         return "wait" if any(x is None or x < top for x in steps) else None
     digests = [_digest(rows[r, len(HEADER):n].tolist()) if k == kinds[me] else None for r, k in enumerate(kinds)]
     history = [set(x for x in rows[r, -PAYLOAD:-LEDGER].tolist() if x) for r in range(rows.size(0))]
-    if any(digests[me] in history[r] for r in range(rows.size(0)) if r != me):
-        return "behind"  # a peer had this batch already
+    if digests[me] not in history[me] and any(digests[me] in history[r] for r in range(rows.size(0)) if r != me):
+        return "behind"  # a peer had this batch already (and this rank had not: not just the same data again)
     if any(d is None or d in history[me] for d in digests):
         return "wait"  # a peer is mid-step, or at a batch this rank had already
     return None

@@ -177,6 +177,10 @@ def _timeout(sp) -> float:
     return min(GRACE, max(0.5, 0.2 * sp.timeout))
 
 
+NOTE_CHARS = 4000
+"""The longest error a note quotes (every ringseq message is shorter: a relayed error quotes its origin whole,
+its fix included)."""
+
 AFTERMATH = -1
 """The ``cause`` of a note whose error followed another rank's failure that no note named (a
 group found out of step after failures): the note is quoted, its rank is not blamed."""
@@ -198,7 +202,8 @@ def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False
     if cause == dist.get_rank():  # a failure that began here (the group named this rank): its own, not a link
         cause = None  # a note blaming itself would be a chain with no root: its readers would wait their grace out
     try:
-        store.set(_key(sp, "failed", dist.get_rank()), f"{time.time():.3f}|{'' if cause is None else cause}|{text[:300]}")
+        note = f"{time.time():.3f}|{'' if cause is None else cause}|{text[:NOTE_CHARS]}"
+        store.set(_key(sp, "failed", dist.get_rank()), note)
     except Exception:  # noqa: BLE001 - a note is a courtesy; the caller raises its own error anyway
         pass
 

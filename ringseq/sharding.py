@@ -88,7 +88,10 @@ def gather(local: torch.Tensor, dim: int, sp, layout=None) -> torch.Tensor:
     """This rank's slice -> the full tensor, in global order (inverse of ``shard``). ``layout``:
     a batch's own (``ShardedBatch.order``) instead of ``sp.layout``; ``ShardedBatch.gather`` passes it."""
     check_sp(sp)
-    dim = _dim(local, dim)
+    try:
+        dim = _dim(local, dim)
+    except RingSeqError as err:  # refused in the call's agreement: every rank raises in this gather, in step
+        lockstep.refuse(sp, "gather", err)
     if sp.size == 1:
         return local
     shape = (list(local.shape) + [-1] * 4)[:4]

@@ -14,6 +14,8 @@ one rank (rank 0, which serves the rendezvous store, included):
 ``sleep under``      the rank sleeps a quarter of the timeout before the call: exact.
 ``raise forward``    the rank's block kernel raises in the forward (``raise backward``: backward);
 ``other inputs``     the rank's call differs (its window, or its batch);
+``refuse``           the rank's own call is wrong (raw: k on another device; the model: output_attentions),
+                     which it refuses in the call's agreement;
                      every other rank raises ``RingSeqError`` naming it (in that call or at the next
                      collective), within the timeout plus the grace; the next call is exact again.
 ``sleep past``       the rank sleeps past the timeout before the call;
@@ -42,7 +44,7 @@ TIMEOUT = 2.0
 GRACE = 0.5  # ringseq.peers' grace at this timeout: min(5, max(0.5, 0.2 * TIMEOUT))
 SLEEP_PAST = TIMEOUT + 1.0  # a "sleep past" victim's sleep before its call
 SLACK = 1.5  # process start-up of a woken rank and scheduling on a loaded 2-core machine
-RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "other inputs")
+RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "other inputs", "refuse")
 BREAKING = ("sleep past", "exit", "kill", "stop")
 
 
@@ -77,7 +79,7 @@ def _inject(case: dict, sp):
     from ringseq.attention import ring
 
     fault = case["fault"]
-    if sp.rank != case["victim"] or fault in ("none", "other inputs"):
+    if sp.rank != case["victim"] or fault in ("none", "other inputs", "refuse"):
         return lambda: None
     if fault.startswith("sleep"):
         time.sleep(TIMEOUT / 4 if fault == "sleep under" else SLEEP_PAST)
@@ -124,6 +126,8 @@ def _raw(case: dict, sp, faulty: bool, clock: list):
     mine = window + 1 if window is not None and faulty and case["fault"] == "other inputs" else window
     if faulty and case["fault"] == "other inputs" and window is None:
         mine = S  # a window that sees everything: the same result, another call
+    if faulty and case["fault"] == "refuse" and sp.rank == case["victim"]:
+        local[1] = local[1].detach().to("meta")  # refused by its own check, in the call's agreement
     clock[0] = time.perf_counter()
     out = ringseq.ring_attention(*local, sp=sp, window=mine if sp.rank == case["victim"] else window,
                                  position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
@@ -152,7 +156,8 @@ def _model(case: dict, sp, faulty: bool, clock: list):
     _MODELS[case["seed"]] = (base, refs)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     clock[0] = time.perf_counter()
-    loss = model(**batch).loss
+    refused = faulty and case["fault"] == "refuse" and sp.rank == case["victim"]
+    loss = model(**batch, **({"output_attentions": True} if refused else {})).loss
     loss.backward()
     if not faulty:
         check_against(refs, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sp,

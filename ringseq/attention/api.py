@@ -103,9 +103,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
                                   softcap=softcap, sinks=sinks, attention_mask=attention_mask, token_info=token_info,
                                   kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
     check_sp(sp)
-    # this rank's own misuse first: refused before the agreement, the group untouched
-    check_local(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks, slab_rows=slab_rows,
-                head_groups=head_groups)
+    try:  # this rank's own misuse: refused in the call's agreement, so every rank raises in this call, in step
+        check_local(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
+                    slab_rows=slab_rows, head_groups=head_groups)
+    except RingSeqError as err:
+        lockstep.refuse(sp, "ring_attention forward", err)
     fields = call_record(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
                          position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
                          kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)

@@ -41,6 +41,9 @@ LARGEST = 2**62
 
 
 def check_features(q, causal, scale, window, softcap, sinks) -> None:
+    if not isinstance(causal, bool):
+        raise RingSeqError(f"causal must be True or False, got {causal!r} (a {type(causal).__name__}): a string or "
+                           f"number would be read as a flag by its truth value")
     if scale is not None and not (_number(scale) and 0 < scale < math.inf):
         raise RingSeqError(f"scale must be a positive finite number (the factor on q.k; None: 1/sqrt(head dim)), "
                            f"got {scale!r}")
@@ -85,10 +88,11 @@ def check_tensors(q, k, v, sinks) -> None:
 
 
 def check_local(q, k, v, *, causal, scale, window, softcap, sinks, slab_rows, head_groups) -> None:
-    """What this rank can refuse alone, before the call's agreement: its tensors (types, device,
-    dtypes), the numbers (scale, window, softcap, sinks, slab rows) and the form of head_groups. A
-    refusal here spends no lockstep number and sends nothing, so the group stays usable (a rank
-    that retries the call right meets its peers in the same agreement)."""
+    """What this rank can tell is wrong alone, before the call's agreement: its tensors (types,
+    device, dtypes), the flags and numbers (causal, scale, window, softcap, sinks, slab rows) and
+    the form of head_groups. ``ring_attention`` then refuses the call in its agreement
+    (``lockstep.refuse``): every rank raises in this call, before any transfer, and the group stays
+    in step."""
     check_tensors(q, k, v, sinks)
     check_features(q, causal, scale, window, softcap, sinks)
     if slab_rows is not None and (not _number(slab_rows) or int(slab_rows) != slab_rows

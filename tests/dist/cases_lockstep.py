@@ -431,22 +431,65 @@ def misuse_is_refused():
         _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, softcap=softcap), "softcap must be a positive")
     _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, slab_rows=0), "slab_rows must be a positive integer")
     _raises(lambda: lockstep.layer(2**70).__enter__(), "layer index")
-    ringseq.ring_attention(q, k, v, sp=sp)  # no refusal spent a lockstep number: the group is in step
+    _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp, causal="yes"), "causal must be True or False")
+    ringseq.ring_attention(q, k, v, sp=sp)  # every refusal was the whole group's, in the same call: still in step
 
 
 def own_misuse_leaves_the_group_usable():
-    """A rank whose own arguments are wrong (k on another device, k of another dtype) is refused
-    before the call's agreement, sending nothing: its peers wait in the agreement, the rank calls
-    again rightly, and the call is exact; the group never broke."""
+    """A rank whose own arguments are wrong (k on another device, k of another dtype, a non-bool flag)
+    refuses the call in its agreement: every rank raises in that same call, before any transfer (the
+    misusing rank with its fix, its peers naming it and quoting it), and the next call is exact: the
+    group never broke and stayed in step."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     (q, k, v), dout = _inputs(sp)
     ref = ringseq.ring_attention(q, k, v, sp=sp).detach()
-    if sp.rank == world - 1:
-        _raises(lambda: ringseq.ring_attention(q, k.to("meta"), v, sp=sp), "must be on one device", "meta")
-        _raises(lambda: ringseq.ring_attention(q, k.double(), v, sp=sp), "must share a dtype")
+    me, odd = dist.get_rank(), world - 1
+    for wrong, words in ((dict(k=k.to("meta")), "must be on one device"), (dict(k=k.double()), "must share a dtype"),
+                         (dict(causal="yes"), "causal must be True or False")):
+        args = {"k": k, "causal": True, **(wrong if sp.rank == odd else {})}
+        peer = f"global rank {sp.ranks[odd]} refused its call: "
+        text = _raises(lambda: ringseq.ring_attention(q, args["k"], v, sp=sp, causal=args["causal"]),
+                       *((words,) if sp.rank == odd else ("was refused by another rank", peer + "", words)))
+        assert sp.rank == odd or "the group stays in step" in text, text
     out = ringseq.ring_attention(q, k, v, sp=sp)
-    assert torch.equal(out, ref) and lockstep.state(sp).broken is None and lockstep.state(sp).failure is None
+    assert torch.equal(out, ref) and lockstep.state(sp).broken is None and lockstep.state(sp).failure is None, me
+
+
+def skip_loop_after_a_refusal(call: str, steps: int = 4, refused: int = 1):
+    """A loop that catches an error and skips the step, with new data each step, as users write it:
+    at step ``refused`` the last rank's call is wrong (``call``: a raw ring_attention with k on another
+    device, a gather along a dimension its tensor lacks, a batch that is not a dict). Every rank
+    raises at that step, and every other step is exact on every rank: no call of one step ever
+    pairs with another step's."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    bad = sp.rank == world - 1
+    raised = []
+    for step in range(steps):
+        wrong = bad and step == refused
+        try:
+            if call == "ring_attention":
+                (q, k, v), _ = _inputs(sp, seed=100 + step)
+                out = ringseq.ring_attention(q, k.to("meta") if wrong else k, v, sp=sp)
+                qf, kf, vf, dout = make_qkv(B, H, K, 16 * sp.size, D, 100 + step)
+                want = ringseq.shard(attention(qf, kf, vf, dout, causal=True, sdpa=True)[0].float(), 2, sp=sp)
+                assert (out.detach() - want).abs().max() < 1e-5, (step, (out.detach() - want).abs().max())
+            elif call == "gather":
+                full = torch.randn(3, 8 * world, generator=torch.Generator().manual_seed(step))
+                local = ringseq.shard(full, 1, sp=sp)
+                assert torch.equal(ringseq.gather(local, 5 if wrong else 1, sp=sp), full), step
+            else:  # shard_batch
+                ids = torch.randint(0, 64, (2, 8 * world), generator=torch.Generator().manual_seed(step))
+                batch = [ids] if wrong else {"input_ids": ids, "labels": ids}
+                local = ringseq.shard_batch(batch, sp=sp)
+                assert torch.equal(local["input_ids"], ringseq.shard(ids, 1, sp=sp)), step
+        except ringseq.RingSeqError as err:
+            raised.append((step, str(err)))
+    assert [s for s, _ in raised] == [refused], (dist.get_rank(), raised)
+    if not bad:
+        assert f"global rank {sp.ranks[-1]} refused its call" in raised[0][1], raised
+    return raised
 
 
 def batch_beside_resync():

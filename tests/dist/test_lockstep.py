@@ -154,6 +154,12 @@ def test_own_misuse_leaves_the_group_usable(pool2, pool4):
     pool4.run(cases.own_misuse_leaves_the_group_usable)
 
 
+@pytest.mark.parametrize("call", ["ring_attention", "gather", "shard_batch"])
+def test_a_loop_that_skips_a_refused_step_goes_on_exact(pool2, pool4, call):
+    pool2.run(cases.skip_loop_after_a_refusal, call)
+    pool4.run(cases.skip_loop_after_a_refusal, call)
+
+
 def test_misuse_is_refused_with_the_fix(pool):
     pool.run(cases.misuse_is_refused)
 

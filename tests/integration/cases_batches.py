@@ -102,7 +102,8 @@ def out_of_step_ranks_resync_at_the_next_batch(case: str, steps: int = 6):
 
 def labels_without_a_target_give_nan():
     """Every label -100: the unpatched model's mean over no tokens is NaN, and so is the patched
-    model's (it used to be 0.0); a shard with no target on one rank only is fine."""
+    model's (it used to be 0.0); a shard with no target on one rank only is fine; token ids and labels
+    outside the vocabulary are refused by name (value and place), the group in step after."""
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     base = tiny_model("llama")
@@ -114,6 +115,15 @@ def labels_without_a_target_give_nan():
     batch["labels"][:, : 16 * world - 4] = -100  # targets on the last rank's tokens only (zigzag: rank 0 too)
     _, refs = references("llama", batch)
     check_against(refs, *loss_and_grads(model, batch), sp, f"few targets rank {sp.rank}/{world}")
+    # a token id or a label outside the vocabulary: named with its place on every rank, before any kernel
+    from ringseq.testing import assert_refused
+
+    for key, value, place in (("input_ids", VOCAB, (1, 3)), ("input_ids", -1, (0, 0)), ("labels", VOCAB + 5, (0, 7))):
+        bad = make_batch(2, 16 * world, "plain")
+        bad[key] = bad[key].clone()
+        bad[key][place] = value
+        assert_refused(lambda: model(**bad), f"{key} holds {value} at {list(place)} (row, position)")
+    check_against(refs, *loss_and_grads(model, batch), sp, f"after the refusals rank {sp.rank}/{world}")
 
 
 def copies_of_a_patched_model():

@@ -89,8 +89,9 @@ def test_ranks_out_of_step_resync_at_the_next_batch(pool2, case):
     pool2.run(cases_batches.out_of_step_ranks_resync_at_the_next_batch, case)
 
 
-def test_labels_without_a_target_give_nan_as_unpatched(pool2):
+def test_labels_without_a_target_give_nan_as_unpatched(pool2, pool4):
     pool2.run(cases_batches.labels_without_a_target_give_nan)
+    pool4.run(cases_batches.labels_without_a_target_give_nan)
 
 
 def test_a_patched_model_can_be_copied(pool2):
