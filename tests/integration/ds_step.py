@@ -34,12 +34,15 @@ def lm_loss(model, batch) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
 
 
-def reference_step(model, dp: int, S: int, clip: float | None) -> dict:
+def reference_step(model, dp: int, S: int, clip: float | None, autocast: bool = False) -> dict:
     """One single-process SGD step (lr 1) on a copy of ``model``: the mean over replicas of the
-    full-batch gradients, clipped to ``clip``. Returns the parameters after it."""
+    full-batch gradients (``autocast``: computed under bf16 autocast), clipped to ``clip``. Returns
+    the parameters after it."""
     model = copy.deepcopy(model)
     for d in range(dp):
-        (lm_loss(model, batch_for(d, S)) / dp).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = lm_loss(model, batch_for(d, S))
+        (loss / dp).backward()
     if clip:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     with torch.no_grad():
@@ -54,7 +57,7 @@ def batch_for(replica: int, S: int) -> dict:
 
 
 CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp",
-             "memory", "engine", "batch"}
+             "memory", "engine", "batch", "autocast"}
 
 
 def parse_case(text: str) -> dict:
@@ -128,15 +131,18 @@ def run_case(case: dict) -> str:
     if case.get("batch"):
         assert engine.gradient_accumulation_steps() == int(case["batch"]) // 2, engine.gradient_accumulation_steps()
         return f"train_batch_size {int(case['batch']) * dp}: {engine.gradient_accumulation_steps()} micro-batches"
-    loss = engine(**batch_for(sp.dp_rank, S)).loss
+    autocast = bool(case.get("autocast"))  # fp32 weights, the forward under torch's bf16 autocast
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = engine(**batch_for(sp.dp_rank, S)).loss
     engine.backward(loss)
     engine.step()
 
-    what = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp} rank {dist.get_rank()}"
+    what = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp}{' bf16 autocast' if autocast else ''} " \
+           f"rank {dist.get_rank()}"
     if case.get("memory"):
         what += " (checkpointing + tiled MLP)"
     clip = engine.gradient_clipping()  # as DeepSpeed read it (a shipped config sets its own)
-    plain = reference_step(reference, dp, S, clip)
+    plain = reference_step(reference, dp, S, clip, autocast)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)
     assert_updates_close(gathered(engine), plain, exact, dict(tiny_llama().named_parameters()), what)
     done = f"ZeRO-{engine.zero_optimization_stage()} sp {sp.size} dp {dp} clip {clip}: parameters match"

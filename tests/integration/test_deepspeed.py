@@ -22,7 +22,8 @@ def test_deepspeed_steps_equal_single_process_and_misconfigurations_are_refused(
     with tiled MLPs under ZeRO-2 and ZeRO-3 (each weight's gradient reduced once, after the last tile), and
     ZeRO-3's reduce_scatter (its average over every rank is the gradient rule's), and the refusals: an
     sp_size that does not divide the world, a misspelt key."""
-    deepspeed_cases(pool2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,section",
+    deepspeed_cases(pool2, "stage=0,clip=0", "stage=1", "stage=2", "stage=3,clip=0", "stage=2,clip=0,autocast",
+                    "stage=2,section",
                     "stage=2,memory", "stage=3,clip=0,memory",
                     "config=launch/configs/ds_zero1.json", "config=launch/configs/ds_zero2.json",
                     "config=launch/configs/ds_zero3.json", "stage=3,reduce_scatter,clip=0",
@@ -38,9 +39,10 @@ def test_deepspeed_initialize_itself_and_its_batch_and_data(pool4):
     """The gradient rule wants DeepSpeed's plain data parallelism, so deepspeed.initialize on a
     patched model is exact without ringseq.initialize (no mpu, or sp.mpu), ZeRO-2 and ZeRO-3; an mpu
     that declares sequence parallelism is refused; train_batch_size counts sequences over the
-    replicas; training_data is dealt over the replicas."""
+    replicas; training_data is dealt over the replicas; ZeRO-0 and ZeRO-3 under bf16 autocast (2 x 2)."""
     deepspeed_cases(pool4, "stage=2,engine=plain", "stage=3,engine=plain", "stage=3,engine=mpu",
-                    "stage=2,engine=sequence_mpu", "stage=2,batch=2", "stage=2,batch=4", "stage=1,engine=data")
+                    "stage=2,engine=sequence_mpu", "stage=2,batch=2", "stage=2,batch=4", "stage=1,engine=data",
+                    "stage=0,autocast", "stage=3,autocast")
 
 
 def test_deepspeed_checkpoints_resume_at_another_shape_and_back(pool4):
