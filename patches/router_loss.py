@@ -114,6 +114,7 @@ def aux_loss(router_logits, loss: RouterLoss, batch, attention_mask: torch.Tenso
     total = local.detach().clone()
     sp = batch.sp
     if sp.size > 1:
+        lockstep.agree(sp, "loss", {"sums": 2, "dtype": lockstep.dtype_code(total), "size": total.numel()})
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the router loss sums", peer=None)
     E = loss.experts  # the global value, the gradient of this rank's probabilities (assignments carry none)

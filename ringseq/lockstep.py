@@ -55,11 +55,15 @@ seconds) and the time it entered the agreement (so every rank knows what the agr
 RING_CALLS = ("ring_attention forward", "ring_attention backward")
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
-         "exchange backward", "decode", "rewards")
+         "exchange backward", "decode", "rewards", "loss", "backward end")
 """The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
 convolution halos (``ringseq.recurrent``); ``decode`` a generation step's all-gather of partial
 attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``); ``rewards``
-``ringseq.GRPOTrainer``'s broadcast of group rank 0's rewards."""
+``ringseq.GRPOTrainer``'s broadcast of group rank 0's rewards; ``loss`` the all-reduce of a loss's
+sums or its label count (``ringseq.loss``, the router loss): after the last layer, so a rank whose
+last ring call failed after its last transfer meets its peers in an agreement, not in a collective
+of another shape; ``backward end`` the end of every backward pass through a ring call
+(``check_at_end_of_backward``)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position", "refused")
@@ -178,6 +182,7 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
     st = state(sp)
     if st.failure is None:
         st.failure = st.last
+    st.settling = False  # a backward pass that failed drops its end-of-backward callback with it
     if reason:
         peers.post_failure(sp, reason, cause)
 
@@ -237,8 +242,11 @@ def settle(sp, wait: bool = True) -> str | None:
 
 
 def check_at_end_of_backward(sp) -> None:
-    """Have the running backward pass read the deferred failure flags when it ends, raising
-    ``RingSeqError`` there if a peer failed (once per backward pass)."""
+    """Have the running backward pass end with the group's agreement (once per backward pass, after
+    reading a GPU's deferred failure flags). A rank whose kernel failed after its last transfer of a
+    ring backward is heard of only by the rank its last accumulators went home to (at P > 2), and a
+    rank whose backward raised never reaches this agreement: so every rank raises in this step, and
+    none steps its optimizer on a gradient its peers dropped."""
     st = state(sp)
     if st.settling:
         return
@@ -246,6 +254,12 @@ def check_at_end_of_backward(sp) -> None:
     def check():
         st.settling = False
         found = settle(sp)
+        if sp.size > 1 and getattr(sp, "timeout", None) is not None:  # not the virtual ring's stand-in ranks
+            try:
+                agree(sp, "backward end", {})
+            except RingSeqError:
+                if found is None:
+                    raise
         if found is not None:
             raise RingSeqError(found)
 

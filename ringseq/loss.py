@@ -31,6 +31,7 @@ def _global_loss(local_sum: torch.Tensor, count, sp, dtype: torch.dtype) -> torc
     all (every label -100) gives NaN, as the unpatched model's mean over no tokens does."""
     total = local_sum.detach().clone()
     if sp.size > 1:
+        lockstep.agree(sp, "loss", {"sums": 0, "dtype": lockstep.dtype_code(total)})
         work = dist.all_reduce(total, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the loss sums", peer=None)
     count = torch.as_tensor(count, dtype=local_sum.dtype, device=local_sum.device)
@@ -49,6 +50,7 @@ def count_targets(shift_labels: torch.Tensor, sp) -> torch.Tensor:
     (``ShardedBatch.count``), with no communication."""
     n = (shift_labels != IGNORE).sum()
     if sp.size > 1:
+        lockstep.agree(sp, "loss", {"sums": 1, "dtype": lockstep.dtype_code(n)})
         work = dist.all_reduce(n, group=sp.group, async_op=True)
         lockstep.wait(work, sp, "the all-reduce of the label count", peer=None)
     return n

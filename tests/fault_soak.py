@@ -12,7 +12,8 @@ one rank (rank 0, which serves the rendezvous store, included):
 
 ``none``             every rank's result is exact (the 2x rule against float64).
 ``sleep under``      the rank sleeps a quarter of the timeout before the call: exact.
-``raise forward``    the rank's block kernel raises in the forward (``raise backward``: backward);
+``raise forward``    the rank's block kernel raises in the forward (``raise backward``: backward; ``raise
+                     late``: in a forward call's last ring step, after its last transfer);
 ``other inputs``     the rank's call differs (its window, or its batch);
 ``refuse``           the rank's own call is wrong (raw: k on another device; the model: output_attentions),
                      which it refuses in the call's agreement;
@@ -44,7 +45,7 @@ TIMEOUT = 2.0
 GRACE = 0.5  # ringseq.peers' grace at this timeout: min(5, max(0.5, 0.2 * TIMEOUT))
 SLEEP_PAST = TIMEOUT + 1.0  # a "sleep past" victim's sleep before its call
 SLACK = 1.5  # process start-up of a woken rank and scheduling on a loaded 2-core machine
-RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "other inputs", "refuse")
+RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "raise late", "other inputs", "refuse")
 BREAKING = ("sleep past", "exit", "kill", "stop")
 
 
@@ -88,7 +89,9 @@ def _inject(case: dict, sp):
 
     def compute(self, t, work):
         backward = self.opts.label.startswith("the backward")
-        if fault == "raise backward" and not backward:
+        # "raise late": the call's last ring step that computes anything (a masked one may be hidden)
+        last = max((i for i, w in enumerate(self.work) if w), default=-1)
+        if (fault == "raise backward") != backward or (fault == "raise late" and t != last):
             return original(self, t, work)
         seen.append(t)
         if len(seen) == 1:
@@ -147,13 +150,12 @@ def _model(case: dict, sp, faulty: bool, clock: list):
     import copy
 
     import ringseq
-    from tests.integration.hf_models import check_against, make_batch, references
+    from tests.integration.hf_models import check_against, make_batch
 
     kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
     other = faulty and case["fault"] == "other inputs" and sp.rank == case["victim"]
     batch = make_batch(2, case["s"] * sp.size, kind, seed=case["seed"] + (1 if other else 0))
-    base, refs = _MODELS.get(case["seed"]) or references("llama", batch)
-    _MODELS[case["seed"]] = (base, refs)
+    base, refs = _references(case, sp)
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     clock[0] = time.perf_counter()
     refused = faulty and case["fault"] == "refuse" and sp.rank == case["victim"]
@@ -167,6 +169,17 @@ def _model(case: dict, sp, faulty: bool, clock: list):
 _MODELS: dict = {}
 
 
+def _references(case: dict, sp):
+    """The unpatched model and its references for a model case (made once, before the case's fault
+    and its clock: a slow reference must not stand in for a healthy rank's wait)."""
+    from tests.integration.hf_models import make_batch, references
+
+    if case["seed"] not in _MODELS:
+        kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
+        _MODELS[case["seed"]] = references("llama", make_batch(2, case["s"] * sp.size, kind, seed=case["seed"]))
+    return _MODELS[case["seed"]]
+
+
 def run_case(case: dict, sp) -> dict:
     """This rank's outcome of one case: the faulty call, then (for a recoverable fault) the same
     call again without the fault."""
@@ -174,6 +187,8 @@ def run_case(case: dict, sp) -> dict:
 
     fault = case["fault"]
     run = _model if case["kind"] == "model" else _raw
+    if case["kind"] == "model":
+        _references(case, sp)
     ringseq.resync(sp, 2 * case["step"])
     disarm = _inject(case, sp)
     clock, outcome = [time.perf_counter()], {}

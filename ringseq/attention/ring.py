@@ -489,6 +489,5 @@ class RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
-        if lockstep.defers(q.device):  # deferred failure checks are read at the end of this backward at the latest
-            lockstep.check_at_end_of_backward(ctx.opts.sp)
+        lockstep.check_at_end_of_backward(ctx.opts.sp)  # the backward ends with the group's agreement
         return (*backward_by_heads(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)

@@ -141,3 +141,54 @@ def copies_of_a_patched_model():
     ringseq.unpatch(twin)
     assert hasattr(model, "_ringseq_patch") and "forward" not in vars(twin)
     check_against(refs, *loss_and_grads(model, batch), sp, f"original rank {sp.rank}/{world}")
+
+
+def a_failure_after_the_last_transfer_reaches_every_rank_in_its_step(backward: bool = False, steps: int = 4):
+    """A training loop that catches errors and skips the step, on a patched model: at step 1 the last
+    rank's block kernel runs out of memory in its very last compute of the step (the forward's last
+    layer's last ring step, after its last transfer: its peers finish that layer; or the backward's).
+    Every rank raises in step 1 (the failing rank its own MemoryError, its peers a RingSeqError naming
+    it, the forward's at the loss's agreement), and every other step is the unpatched model's, with no
+    resync call."""
+    from ringseq.attention import ring
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    base = tiny_model("llama")
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    victim = sp.rank == world - 1
+    original, computes, armed = ring._Schedule.compute, [], [False]
+
+    def compute(self, t, work):
+        if self.opts.label.startswith("the backward") == backward:
+            computes.append(t)
+            if victim and armed[0] and len(computes) == armed[1]:
+                def failing(w):
+                    raise MemoryError("injected: the block kernel ran out of memory")
+                return original(self, t, failing)
+        return original(self, t, work)
+
+    ring._Schedule.compute = compute
+    outcome = {}
+    try:
+        for step in range(steps):
+            batch = make_batch(2, 16 * world, "plain", seed=step)
+            computes.clear()
+            armed[:] = [step == 1, outcome.get("computes", 0)]
+            try:
+                model.zero_grad(set_to_none=True)
+                loss = model(**batch).loss
+                loss.backward()
+                outcome[step] = loss.detach()
+            except (ringseq.RingSeqError, MemoryError) as exc:
+                outcome[step] = exc
+            outcome.setdefault("computes", len(computes))  # the step's computes of that direction, step 0's
+    finally:
+        ring._Schedule.compute = original
+    raised = outcome[1]
+    assert isinstance(raised, MemoryError if victim else ringseq.RingSeqError), (sp.rank, raised)
+    assert victim or f"global rank {sp.ranks[-1]} raised" in str(raised), str(raised)
+    for s in (0, 2, 3):
+        ref = loss_and_grads(copy.deepcopy(base), make_batch(2, 16 * world, "plain", seed=s))[0]
+        assert torch.is_tensor(outcome[s]) and abs(outcome[s].item() - ref.item()) <= 1e-5 * abs(ref.item()), \
+            (sp.rank, s, outcome[s], ref)

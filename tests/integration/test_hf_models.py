@@ -89,6 +89,12 @@ def test_ranks_out_of_step_resync_at_the_next_batch(pool2, case):
     pool2.run(cases_batches.out_of_step_ranks_resync_at_the_next_batch, case)
 
 
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_failure_after_the_last_transfer_reaches_every_rank_in_its_step(pool2, pool4, backward):
+    pool2.run(cases_batches.a_failure_after_the_last_transfer_reaches_every_rank_in_its_step, backward)
+    pool4.run(cases_batches.a_failure_after_the_last_transfer_reaches_every_rank_in_its_step, backward)
+
+
 def test_labels_without_a_target_give_nan_as_unpatched(pool2, pool4):
     pool2.run(cases_batches.labels_without_a_target_give_nan)
     pool4.run(cases_batches.labels_without_a_target_give_nan)
