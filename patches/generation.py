@@ -266,6 +266,10 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
                           attention_mask, position_ids, kwargs)
         keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
         hidden = hidden[:, -keep:]
+    if lockstep.state(handle.sp).pending:  # a GPU's deferred failure flags: read before generate sees a token
+        found = lockstep.settle(handle.sp)
+        if found is not None:
+            raise RingSeqError(found)
     return CausalLMOutputWithPast(logits=logit_maps.head_logits(model, hidden), past_key_values=cache)
 
 

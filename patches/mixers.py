@@ -25,7 +25,7 @@ import functools
 import sys
 import weakref
 
-from ringseq import recurrent
+from ringseq import lockstep, recurrent
 from ringseq.errors import RingSeqError
 
 from .cache import DecodeStep
@@ -126,7 +126,8 @@ def patched_forward():
     rank's tokens alone (a family that stopped handing its keyword arguments down): refused."""
     token = _IN_FORWARD.set(True)
     try:
-        yield
+        with lockstep.batched():  # its ring calls' failures reach the peers at the batch's agreements
+            yield
     finally:
         _IN_FORWARD.reset(token)
 

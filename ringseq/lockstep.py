@@ -70,6 +70,7 @@ HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed la
 _KIND, _NUMBER, _LAYER, _FAILED, _LAYOUT, _ULYSSES, _POSITION, _REFUSED = 0, 1, 2, 3, 6, 7, 8, 9
 
 _layer = contextvars.ContextVar("ringseq_layer", default=-1)
+_batched = contextvars.ContextVar("ringseq_batched", default=False)
 
 
 @dataclasses.dataclass
@@ -133,6 +134,49 @@ def layer(index: int | None):
 
 def current_layer() -> int:
     return _layer.get()
+
+
+@contextlib.contextmanager
+def batched():
+    """The ring calls inside belong to one agreed batch (a patched forward): a failure that their
+    transfers could not carry to every rank reaches the peers at the batch's later agreements (the
+    next layer's call, the loss, the end of the backward, the next batch, which a rank that raised
+    waits at), so they need not share their outcome (``share_outcome``)."""
+    token = _batched.set(True)
+    try:
+        yield
+    finally:
+        _batched.reset(token)
+
+
+def in_batch() -> bool:
+    return _batched.get()
+
+
+def share_outcome(sp, label: str, failed: bool) -> str | None:
+    """Whether the call ``label`` failed on any rank, known on every rank before the call returns:
+    one all-reduce of a flag over the group's CPU (gloo) group, bounded by the timeout; no device
+    synchronisation. For the calls whose failure the ring's transfers cannot always carry (a kernel
+    that fails after its rank's last transfer) and whose peers would meet no later agreement of the
+    same step: raw ``ring_attention`` calls (a loop of them may be forward-only, or make several
+    calls a step) and calls under Ulysses (an all-to-all follows the ring). So every rank raises in
+    that call, and a loop that skips the step goes on exact. Returns the error of a rank whose own
+    call succeeded while a peer's failed (the rank is marked failed: its peers are, in this same call)."""
+    if sp.size == 1 or getattr(sp, "timeout", None) is None:  # one rank, or the virtual ring's stand-ins
+        return None
+    flag = torch.tensor([int(failed)], dtype=torch.int64)
+    start = time.perf_counter()
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp.check_group, async_op=True)
+    wait(work, sp, f"the outcome of {label} on every rank", peer=None, gloo=True)
+    Clock(sp).time("wait_s", start)
+    if not int(flag):
+        return None
+    st = state(sp)
+    st.pending = [p for p in st.pending if p[0] != label]  # its deferred flags tell of this same failure
+    if failed:
+        return None
+    mark_failed(sp)
+    return peer_failed(sp, label)
 
 
 def float_bits(x: float | None) -> int:

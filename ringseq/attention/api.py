@@ -111,12 +111,15 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sp, cau
     fields = call_record(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap, sinks=sinks,
                          position_ids=position_ids, attention_mask=attention_mask, token_info=token_info,
                          kernel=kernel, slab_rows=slab_rows, head_groups=head_groups)
+    # a raw call (or one under Ulysses) ends by sharing its outcome: a failure after the last transfer
+    # reaches every rank in this call (a patched forward's later agreements carry it otherwise)
+    fields["outcome shared"] = shared = int(not lockstep.in_batch() or sp.ulysses_size > 1)
     number = lockstep.agree(sp, "ring_attention forward", fields)  # before anything can fail on one rank only
     layer = lockstep.current_layer()
     label = f"ring_attention #{number}" + (f" (layer {layer})" if layer >= 0 else "")
     # The ranks agreed on every argument: a check that fails now fails on every rank alike (still in step)
     opts = _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info,
-                    kernel, slab_rows, label, number, head_groups)
+                    kernel, slab_rows, label, number, head_groups, bool(shared))
     try:
         out = _run(q, k, v, sinks, sp, opts)
     except RingSeqError:  # a peer's failure reached this rank (its origin left the note), or one alike on every rank
@@ -147,7 +150,7 @@ class AgreeInBackward(torch.autograd.Function):
 
 
 def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, attention_mask, token_info, kernel,
-             slab_rows, label, number, head_groups=None) -> RingOptions:
+             slab_rows, label, number, head_groups=None, shared: bool = False) -> RingOptions:
     check_shapes(q, k, v, sp)
     groups = _head_groups(q.size(1), k.size(1), sp.ulysses_size, head_groups)
     if token_info is None:
@@ -164,7 +167,7 @@ def _options(q, k, v, sp, causal, scale, position_ids, window, softcap, sinks, a
                        window=None if window is None else int(window),
                        softcap=None if softcap is None else float(softcap), info=token_info, slab_rows=slab_rows,
                        sp=sp, label=label, kept=keep.current(), numbers=CallNumbers(forward=number),
-                       head_groups=groups)
+                       head_groups=groups, shared=shared)
 
 
 def _head_groups(H: int, K: int, U: int, groups) -> int:

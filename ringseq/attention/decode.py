@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ringseq import lockstep
+from ringseq.errors import RingSeqError
 
 KEY_SLAB = 16384
 """Keys scored at a time: a partial over m keys holds B x H x n x KEY_SLAB floats, never B x H x n x m."""
@@ -89,27 +90,53 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
     """Exact attention of the new tokens' queries q [B,H,n,D] (the same on every rank) over the
     keys of every rank of ``sp``: this rank's k [B,K,m,D], v [B,K,m,Dv] at global indices
     ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
-    [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 2)
-    floats, bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
+    [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 3)
+    floats (the last: whether the rank's part failed: every rank then raises in this call), bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
     a patched model's decode step agrees once on its new tokens, from which every layer's call
     follows alike on every rank, and spares each layer the agreement's round trip (decode is
     latency-bound)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
-    out, top, total = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
-                              window=window, softcap=softcap)
-    mine = torch.cat([out, top.unsqueeze(-1), total.unsqueeze(-1)], -1).contiguous()
+    B, H, n, Dv = q.size(0), q.size(1), q.size(2), v.size(-1)
+    label = f"decode attention{lockstep.at_layer()}"
+    if sp.size > 1 and not agreed:  # before anything can fail on one rank only
+        lockstep.agree(sp, "decode", {"batch": B, "heads": H, "tokens": n, "value dim": Dv,
+                                      "dtype": lockstep.dtype_code(q), "scale": lockstep.float_bits(scale),
+                                      "window": window or 0, "softcap": lockstep.float_bits(softcap),
+                                      "sinks": int(sinks is not None)})
+    error = None
+    try:
+        out, top, total = partial(q, k, v, q_pos=q_pos.cpu(), k_pos=k_pos.cpu(), k_valid=k_valid.cpu(), scale=scale,
+                                  window=window, softcap=softcap)
+        mine = torch.cat([out, top.unsqueeze(-1), total.unsqueeze(-1), torch.zeros_like(total).unsqueeze(-1)], -1)
+    except Exception as exc:  # noqa: BLE001 - raised below, after the peers learnt of it in this same all-gather
+        if sp.size == 1:
+            raise
+        error, mine = exc, torch.zeros((B, H, n, Dv + 3), dtype=torch.promote_types(q.dtype, torch.float32),
+                                       device=q.device)
+        mine[..., -1] = 1  # the status column: this rank's part failed
+        lockstep.mark_failed(sp, f"{label}: {type(exc).__name__}: {exc}")
     if sp.size > 1:
-        if not agreed:
-            lockstep.agree(sp, "decode", {"batch": mine.size(0), "heads": mine.size(1), "tokens": mine.size(2),
-                                          "value dim": mine.size(3) - 2, "dtype": lockstep.dtype_code(q),
-                                          "scale": lockstep.float_bits(scale), "window": window or 0,
-                                          "softcap": lockstep.float_bits(softcap), "sinks": int(sinks is not None)})
         every = [torch.empty_like(mine) for _ in range(sp.size)]
-        work = dist.all_gather(every, mine, group=sp.group, async_op=True)
+        work = dist.all_gather(every, mine.contiguous(), group=sp.group, async_op=True)
         lockstep.wait(work, sp, f"the decode partials of every rank ({tuple(mine.shape)}){lockstep.at_layer()}",
                       peer=None)
         parts = torch.stack(every)
+        if error is not None:
+            raise error
+        _check_parts(sp, label, parts[..., -1].reshape(sp.size, -1)[:, :1], agreed)
     else:
         parts = mine[None]
     head_sinks = None if sinks is None else sinks.reshape(1, -1, 1)
-    return merge(parts[..., :-2], parts[..., -2], parts[..., -1], head_sinks)[0].to(q.dtype)
+    return merge(parts[..., :-3], parts[..., -3], parts[..., -2], head_sinks)[0].to(q.dtype)
+
+
+def _check_parts(sp, label: str, flags: torch.Tensor, agreed: bool) -> None:
+    """Raise on every rank whose peers' partials came flagged failed (their part raised): at once
+    on the CPU and for a raw call, whose caller gets its result now; a patched model's decode step
+    on a GPU reads them later, without a host synchronisation per layer (``lockstep.check_later``:
+    at its next agreement, and at the end of the decode step: ``patches.generation``)."""
+    if agreed and lockstep.defers(flags.device):
+        lockstep.check_later(sp, label, [flags])
+    elif bool(flags.any()):
+        lockstep.mark_failed(sp)
+        raise RingSeqError(lockstep.peer_failed(sp, label))

@@ -19,7 +19,10 @@ it as one fp32 buffer: each rank adds its contribution to the accumulator it rec
 it on; after the last step one transfer sends every accumulator home (for T = P that is the next
 rank). Only the K kv heads cross the wire, never copies repeated to H heads. Inside the loop there
 is no host synchronisation: a peer's failure travels as a status element of the buffers and is
-read after the loop (on a GPU later still, ``lockstep.check_later``).
+read after the loop (on a GPU later still, ``lockstep.check_later``). A failure after a rank's last
+transfer has nothing left to mark: raw calls and calls under Ulysses then share their outcome
+(``RingOptions.shared``: one flag all-reduced over gloo at the end of the forward and of the
+backward), a patched model's calls leave it to the batch's later agreements.
 
 A call runs one ring for all heads by default. ``RingOptions.head_groups`` = g runs g rings, one
 after the other, each over 1/g of the kv heads and their query heads, into one output, log-sum-exp
@@ -89,6 +92,9 @@ class RingOptions:
     head_groups: int = 1
     """Rings per call, each over an equal share of the kv heads (and their query heads), one after
     the other (``RingAttention``); must divide the kv heads the ring holds. 1: one ring for all."""
+    shared: bool = False
+    """Whether the call's forward and backward each end by sharing their outcome with every rank
+    (``lockstep.share_outcome``): raw calls and calls under Ulysses."""
 
     @property
     def P(self) -> int:
@@ -479,7 +485,7 @@ class RingAttention(torch.autograd.Function):
         if kept is not None:
             out, lse, aux = kept
         else:
-            out, lse, aux = forward_by_heads(q, k, v, sinks, opts)
+            out, lse, aux = _shared(opts, opts.label, forward_by_heads, q, k, v, sinks, opts)
             if opts.kept is not None:
                 opts.kept.put(out, lse, aux)
         ctx.save_for_backward(q, k, v, sinks, out, lse)
@@ -490,4 +496,29 @@ class RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, sinks, out, lse = ctx.saved_tensors
         lockstep.check_at_end_of_backward(ctx.opts.sp)  # the backward ends with the group's agreement
-        return (*backward_by_heads(dout, q, k, v, sinks, out, lse, ctx.aux, ctx.opts), None)
+        grads = _shared(ctx.opts, f"the backward of {ctx.opts.label}", backward_by_heads, dout, q, k, v, sinks, out,
+                        lse, ctx.aux, ctx.opts)
+        return (*grads, None)
+
+
+def _shared(opts: RingOptions, label: str, run, *args):
+    """``run(*args)``, then (``opts.shared``) every rank learns whether it failed on any rank
+    (``lockstep.share_outcome``): a rank whose own part failed raises its own exception (an
+    out-of-memory stays one), the others a ``RingSeqError`` naming it, all in this call."""
+    if not opts.shared:
+        return run(*args)
+    try:
+        result = run(*args)
+    except Exception as exc:
+        if not isinstance(exc, RingSeqError):  # the note first: a peer left waiting in the ring names this rank
+            lockstep.mark_failed(opts.sp, f"{label}: {type(exc).__name__}: {exc}")
+        if not lockstep.state(opts.sp).broken:  # a transport that failed carries nothing more
+            try:
+                lockstep.share_outcome(opts.sp, label, failed=True)
+            except RingSeqError:
+                pass  # the wait for the peers failed: this rank's own error is still the one to raise
+        raise
+    error = lockstep.share_outcome(opts.sp, label, failed=False)
+    if error is not None:
+        raise RingSeqError(error)
+    return result

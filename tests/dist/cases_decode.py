@@ -4,6 +4,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ringseq import lockstep
 from ringseq.attention import decode
 from ringseq.testing import assert_close, shared_init
 
@@ -60,3 +61,44 @@ def decode_matches_dense(seed=0):
                 assert all(torch.equal(e, got) for e in every), "ranks merged different outputs"
     finally:
         decode.KEY_SLAB = old
+
+
+def decode_loop_skips_a_failed_step(steps: int = 4, failing: int = 1, agreed: bool = False):
+    """A decode loop that catches an error and skips the step, with new queries each step: at step
+    ``failing`` the last rank's partial raises (as an out-of-memory would), before its all-gather.
+    Every rank raises in that step (the last its own error, the others a ``RingSeqError`` naming it)
+    and every other step is exact: no rank's partial of one step merges with another step's.
+    ``agreed``: as a patched model's decode step calls it, without an agreement of its own."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    bad = sp.rank == world - 1
+    B, H, K, n, m, D = 2, 4, 2, 1, 40, 16
+    g = torch.Generator().manual_seed(5)
+    k64, v64 = (torch.randn(B, K, m, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k_pos, valid, mine = torch.arange(m), torch.ones(B, m, dtype=torch.bool), torch.arange(sp.rank, m, world)
+    original, raised = decode.partial, []
+    for step in range(steps):
+        q64 = torch.randn(B, H, n, D, generator=torch.Generator().manual_seed(100 + step), dtype=torch.float64)
+        q, k, v = (t.float() for t in (q64, k64, v64))
+        if bad and step == failing:
+            def failing_partial(*args, **kwargs):
+                raise RuntimeError("injected: out of memory in the decode partial")
+            decode.partial = failing_partial
+        try:
+            if agreed:  # the patched model's decode step agrees once on its new tokens, then every layer calls
+                lockstep.agree(sp, "decode", {"step": step})
+            got = decode.decode_attention(q, k[:, :, mine], v[:, :, mine], sp=sp, q_pos=torch.tensor([m - 1]),
+                                          k_pos=k_pos[mine], k_valid=valid[:, mine], agreed=agreed)
+        except Exception as exc:  # noqa: BLE001 - every rank must raise at the failing step, and only there
+            raised.append((step, f"{type(exc).__name__}: {exc}"))
+            continue
+        finally:
+            decode.partial = original
+        args = (torch.tensor([m - 1]), k_pos, valid, D ** -0.5, None, None, None)
+        assert_close(got, _dense(q, k, v, *args), _dense(q64, k64, v64, *args), f"decode step {step} rank {sp.rank}")
+    assert [s for s, _ in raised] == [failing], (sp.rank, raised)
+    text = raised[0][1]
+    if bad:
+        assert text.startswith("RuntimeError: injected"), text
+    else:
+        assert text.startswith("RingSeqError") and f"global rank {sp.ranks[-1]} raised" in text, text

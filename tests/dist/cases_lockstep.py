@@ -12,7 +12,7 @@ import ringseq
 from ringseq import lockstep
 from ringseq.attention import ring
 from ringseq.reference import attention
-from ringseq.testing import shared_init
+from ringseq.testing import assert_shards_close, shared_init
 
 from .cases import make_qkv
 
@@ -489,6 +489,52 @@ def skip_loop_after_a_refusal(call: str, steps: int = 4, refused: int = 1):
     assert [s for s, _ in raised] == [refused], (dist.get_rank(), raised)
     if not bad:
         assert f"global rank {sp.ranks[-1]} refused its call" in raised[0][1], raised
+    return raised
+
+
+def skip_loop_after_a_failure(where: str, ulysses: int = 1, forward_only: bool = False, steps: int = 4,
+                              failing: int = 1):
+    """A loop of raw calls that catches an error and skips the step, with new data each step and no
+    resync, as users write it: at step ``failing`` the last rank's block kernel raises as an
+    out-of-memory would, ``where``: in the forward's first ring step, its last (after the rank's last
+    transfer: nothing carries the news but the call's shared outcome), or the backward's last. Every
+    rank raises in that step (the last rank its own error, the others a ``RingSeqError`` naming it
+    and quoting it), and every other step is exact on every rank: forward and backward, or
+    forward-only (``forward_only``: an evaluation loop)."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world, ulysses_size=ulysses)
+    bad = sp.rank == world - 1
+    T = sp.ring_size  # ring steps of one dense causal call
+    invocation = {"forward first step": 0, "forward last step": T - 1, "backward last step": 2 * T - 1}[where]
+    raised = []
+    for step in range(steps):
+        (q, k, v), dout = _inputs(sp, seed=300 + step)
+        restore = _fail_at(invocation) if bad and step == failing else (lambda: None)
+        try:
+            if forward_only:
+                with torch.no_grad():
+                    out = ringseq.ring_attention(q, k, v, sp=sp)
+            else:
+                out = ringseq.ring_attention(q, k, v, sp=sp)
+                out.backward(dout)
+        except (RuntimeError, ringseq.RingSeqError) as exc:
+            raised.append((step, f"{type(exc).__name__}: {exc}"))
+            continue
+        finally:
+            restore()
+        full = make_qkv(B, H, K, 16 * sp.size, D, 300 + step)
+        refs = attention(*full, causal=True)[:4]
+        plains = attention(*(t.float() for t in full), causal=True, sdpa=True)[:4]
+        got = (out, *(() if forward_only else (t.grad for t in (q, k, v))))
+        for name, mine, plain, ref in zip(("out", "dq", "dk", "dv"), got, plains, refs):
+            assert_shards_close(mine, plain, ref, f"{name} at step {step} (rank {sp.rank})", sp=sp)
+    assert [s for s, _ in raised] == [failing], (dist.get_rank(), raised)
+    text = raised[0][1]
+    if bad:
+        assert "injected" in text and text.startswith("RuntimeError"), text
+    else:
+        assert text.startswith("RingSeqError") and f"global rank {sp.ranks[-1]} raised" in text, text
+        assert "injected" in text, text  # its error quoted from its note
     return raised
 
 

@@ -4,3 +4,9 @@ from . import cases_decode as cases
 
 def test_decode_attention_matches_dense(pool):
     pool.run(cases.decode_matches_dense)
+
+
+def test_a_decode_loop_that_skips_a_failed_step_goes_on_exact(pool2, pool4):
+    for agreed in (False, True):
+        pool2.run(cases.decode_loop_skips_a_failed_step, agreed=agreed)
+        pool4.run(cases.decode_loop_skips_a_failed_step, agreed=agreed)

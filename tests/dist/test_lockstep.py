@@ -160,6 +160,14 @@ def test_a_loop_that_skips_a_refused_step_goes_on_exact(pool2, pool4, call):
     pool4.run(cases.skip_loop_after_a_refusal, call)
 
 
+@pytest.mark.parametrize("where,ulysses,forward_only", [
+    ("forward last step", 1, False), ("forward last step", 1, True), ("backward last step", 1, False),
+    ("forward first step", 2, False), ("backward last step", 2, False)])
+def test_a_loop_that_skips_a_failed_step_goes_on_exact(pool2, pool4, where, ulysses, forward_only):
+    pool2.run(cases.skip_loop_after_a_failure, where, ulysses, forward_only)
+    pool4.run(cases.skip_loop_after_a_failure, where, ulysses, forward_only)
+
+
 def test_misuse_is_refused_with_the_fix(pool):
     pool.run(cases.misuse_is_refused)
 
