@@ -164,7 +164,7 @@ def share_outcome(sp, label: str, failed: bool) -> str | None:
     call succeeded while a peer's failed (the rank is marked failed: its peers are, in this same call)."""
     if sp.size == 1 or getattr(sp, "timeout", None) is None:  # one rank, or the virtual ring's stand-ins
         return None
-    flag = torch.tensor([int(failed)], dtype=torch.int64)
+    flag = torch.tensor([dist.get_rank() + 1 if failed else 0], dtype=torch.int64)  # who failed, not only whether
     start = time.perf_counter()
     work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp.check_group, async_op=True)
     wait(work, sp, f"the outcome of {label} on every rank", peer=None, gloo=True)
@@ -176,7 +176,7 @@ def share_outcome(sp, label: str, failed: bool) -> str | None:
     if failed:
         return None
     mark_failed(sp)
-    return peer_failed(sp, label)
+    return peer_failed(sp, label, culprit=int(flag) - 1)
 
 
 def float_bits(x: float | None) -> int:
@@ -231,10 +231,15 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
         peers.post_failure(sp, reason, cause)
 
 
-def peer_failed(sp, label: str) -> str:
+def peer_failed(sp, label: str, culprit: int | None = None) -> str:
     """The error of a ring call a peer's failure reached as a flag, naming that peer and quoting
-    its error from its note where it left one (``peers.who_raised``)."""
+    its error from its note where it left one (``peers.who_raised``); ``culprit``: the global rank
+    the flag itself named (``share_outcome``, decode attention), named even when no note can be
+    read (the store's host exited at once)."""
     who = peers.who_raised(sp, state(sp).agreed_at or state(sp).born) if peers.shared(sp) else None
+    if who is None and culprit is not None:
+        who = f"global rank {culprit} raised; its note could not be read from the store"
+        peers.remember(sp, [culprit], who)
     return (f"{label} failed on another rank of the ring ({who or 'its block compute raised; see that rank'}): "
             f"this rank stops too instead of using its blocks")
 

@@ -219,6 +219,8 @@ class _Notes:
         self.waiting: set[int] = set()
         self.lost = self.store is None
         """The store stopped answering (or never did): its host is stopped, stuck or gone."""
+        self.gone = False
+        """The store's connection failed outright (not a call left unanswered): its host has exited."""
 
     def _read(self, key: str):
         if self.store is None or time.time() >= self.deadline:
@@ -227,8 +229,8 @@ class _Notes:
             if not self.store.check([key]):
                 return None
             stamp, _, rest = self.store.get(key).decode().partition("|")
-        except Exception:  # noqa: BLE001 - a store that does not answer: stop reading
-            self.store, self.lost = None, True
+        except Exception as exc:  # noqa: BLE001 - a store that does not answer: stop reading
+            self.store, self.lost, self.gone = None, True, not isinstance(exc, TimeoutError)
             _found_silent(self.sp)
             return None
         return rest if float(stamp) >= self.since else None
@@ -276,13 +278,13 @@ def blame(sp, what: str, since: float, grace: float | None = None) -> tuple[int 
     _incident(sp, breaking=True)
     notes = _Notes(sp, since, deadline)
     if notes.store is None:  # no connection to the store within the grace
-        return 0, _store_host_silent(sp, grace)
+        return _store_lost(sp, since, grace, gone=False)
     me = dist.get_rank()
     try:
         notes.store.set(_key(sp, "waiting", me), f"{time.time():.3f}|{what}")
-    except Exception:  # noqa: BLE001 - the store does not answer: its host is the one stopped
+    except Exception as exc:  # noqa: BLE001 - the store does not answer: its host is the one stopped or gone
         _found_silent(sp)
-        return 0, _store_host_silent(sp, grace)
+        return _store_lost(sp, since, grace, gone=not isinstance(exc, TimeoutError))
     others = [r for r in sp.ranks if r != me]
     while time.time() < deadline and notes.store is not None and len(notes.failed) + len(notes.waiting) < len(others):
         for r in others:
@@ -290,8 +292,11 @@ def blame(sp, what: str, since: float, grace: float | None = None) -> tuple[int 
         time.sleep(0.02)
     roots = notes.roots()
     raised = [r for r in sorted(roots) if notes.words(r)]
-    if notes.lost:  # a connection that takes writes but whose reads go unanswered: a frozen store host
-        return (raised or [0])[0], "; ".join([notes.words(r) for r in raised] + [_store_host_silent(sp, grace)])
+    _remember(sp, raised, notes)
+    if notes.lost and not raised:  # a connection that takes writes but whose reads go unanswered, or one gone
+        return _store_lost(sp, since, grace, notes.gone)
+    if notes.lost:  # the notes read before the store stopped answering stand: those ranks began it
+        return raised[0], "; ".join([notes.words(r) for r in raised] + [_host_after(notes.gone)])
     silent = sorted({r for r in others if r not in notes.failed and r not in notes.waiting} | (roots - set(raised)))
     parts = [notes.words(r) for r in raised]
     if silent:
@@ -306,15 +311,53 @@ def blame(sp, what: str, since: float, grace: float | None = None) -> tuple[int 
     return (raised or silent)[0], "; ".join(parts)
 
 
-def _store_host_silent(sp, grace: float) -> str:
+def _store_host_silent(sp, grace: float, gone: bool = False) -> str:
     """Words for a store that did not answer: without torchrun's agent, the process group's store
-    is served by global rank 0's process, so rank 0 is the one stopped, stuck or dead."""
+    is served by global rank 0's process, so rank 0 is the one stopped, stuck or dead (``gone``:
+    its connection failed outright, so its process has exited)."""
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        return (f"the rendezvous store (torchrun's agent) did not answer within {grace:g} s, so no rank's notes "
-                f"could be read: a node or its agent is stopped or gone")
+        return (f"the rendezvous store (torchrun's agent) {'is gone' if gone else f'did not answer within {grace:g} s'}"
+                f", so no rank's notes could be read: a node or its agent is stopped or gone")
     where = "" if 0 in sp.ranks else " (a rank of another sequence group)"
+    if gone:
+        return (f"global rank 0{where} failed or exited: the rendezvous store it served is gone (its connection "
+                f"closed), so no rank's notes could be read")
     return (f"global rank 0{where} never reached a ringseq wait: stopped, stuck in other work, far slower, or dead "
             f"(it serves the rendezvous store, which did not answer within {grace:g} s)")
+
+
+def _host_after(gone: bool) -> str:
+    """Words for the store's host that stopped answering after the notes above were read: told, not blamed."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        return "then the rendezvous store (torchrun's agent) stopped answering"
+    return (f"then the rendezvous store stopped answering: its host (global rank 0) "
+            f"{'has exited' if gone else 'is stopped or stuck'} since, after that failure")
+
+
+_incidents: dict = {}
+"""A sequence group's ranks -> (time.time(), roots, words) of the latest failure whose origin this
+rank read in the notes: when the store's host exits after it (a user's loop that ends the job on an
+error), the notes cannot be read again, and that failure, not the host, is still where it began."""
+
+
+def remember(sp, raised: list, words: str) -> None:
+    """This rank learnt that the failure began at ``raised`` (global ranks), told by ``words``."""
+    if raised:
+        _incidents[tuple(sp.ranks)] = (time.time(), list(raised), words)
+
+
+def _remember(sp, raised: list, notes: "_Notes") -> None:
+    remember(sp, raised, "; ".join(notes.words(r) for r in raised))
+
+
+def _store_lost(sp, since: float, grace: float, gone: bool) -> tuple[int, str]:
+    """(root, words) when the store cannot be read: the failure this rank read of since the group's
+    last agreement (``since``) if any (its origin; the store's host only told of), else the host."""
+    known = _incidents.get(tuple(sp.ranks))
+    if known is None or known[0] < since:
+        return 0, _store_host_silent(sp, grace, gone)
+    _, roots, words = known
+    return roots[0], f"{words}, in this group's last failure; {_host_after(gone)}"
 
 
 def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
@@ -331,6 +374,7 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
         if rank in notes.failed:
             cause, text = notes.failed[rank]
             if cause is None:
+                _remember(sp, [rank], notes)
                 return rank, notes.words(rank)
             if cause == AFTERMATH:
                 return rank, f"global rank {rank} stopped after a failure elsewhere ({text})"
@@ -349,7 +393,14 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
         for r in others:
             notes.read(r)
         time.sleep(0.02)
+    raised = [r for r in sorted(notes.roots()) if notes.words(r)]
+    _remember(sp, raised, notes)
+    if notes.lost and raised:  # the notes read before the store went stand: those ranks began it
+        return raised[0], "; ".join([notes.words(r) for r in raised] + [_host_after(notes.gone)])
     if notes.lost and _store_host() == 0:  # connections closed and the store gone: its host died
+        known = _incidents.get(tuple(sp.ranks))
+        if known is not None and known[0] >= since:  # after a failure this rank read of: that is the origin
+            return _store_lost(sp, since, 0.0, gone=True)
         return 0, (f"global rank 0{'' if 0 in sp.ranks else ' (a rank of another sequence group)'} failed or exited "
                    f"(it served the rendezvous store, which is gone too)")
     silent = [r for r in others if r not in notes.failed and r not in notes.waiting]
@@ -386,6 +437,7 @@ def raised_since(sp, since: float, mine: bool = False) -> tuple[list[int], str |
             notes.read(r)
         raised = [r for r in sorted(notes.roots()) if notes.words(r)]
         if raised:
+            _remember(sp, raised, notes)
             return raised, "; ".join(notes.words(r) for r in raised)
         time.sleep(0.05)
     return [], None

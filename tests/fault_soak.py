@@ -26,6 +26,10 @@ one rank (rank 0, which serves the rendezvous store, included):
 ``exit``, ``kill``, ``stop``  the rank exits, is SIGKILLed or SIGSTOPped inside the ring:
                      every other rank raises ``RingSeqError`` naming it within the timeout plus the
                      grace; the tree ends there.
+``host exits``       (world 4) the rank (not rank 0) raises as in ``raise late``, and rank 0, which serves
+                     the store, exits hard on its own error at once (``os._exit``, no lingering), as a
+                     job that ends on an error may: every other rank names the victim, in that call
+                     and in its next (which finds rank 0 gone), and blames no other rank.
 
 Nothing may be silently wrong, hang, or raise anything but ``RingSeqError`` on a healthy rank.
 Prints a progress bar, then one JSON line: cases by fault and outcome, the slowest time to an
@@ -49,7 +53,7 @@ GRACE = 0.5  # ringseq.peers' grace at this timeout: min(5, max(0.5, 0.2 * TIMEO
 SLEEP_PAST = TIMEOUT + 1.0  # a "sleep past" victim's sleep before its call
 SLACK = 1.5  # process start-up of a woken rank and scheduling on a loaded 2-core machine
 RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "raise late", "other inputs", "refuse")
-BREAKING = ("sleep past", "exit", "kill", "stop")
+BREAKING = ("sleep past", "exit", "kill", "stop", "host exits")
 
 
 def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, worlds=(2, 4)) -> dict:
@@ -59,7 +63,7 @@ def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, wor
 
     world = rng.choice(list(worlds))
     recoverable = [f for f in RECOVERABLE if f in faults] or ["none"]
-    breaking = [f for f in BREAKING if f in faults]
+    breaking = [f for f in BREAKING if f in faults and (world > 2 or f != "host exits")]  # it needs a bystander
     cases = []
     for i in range(rng.randint(2, 4)):
         cases.append(_case(rng, world, rng.choice(recoverable), i))
@@ -71,7 +75,8 @@ def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, wor
 def _case(rng, world: int, fault: str, step: int) -> dict:
     from ringseq import LAYOUTS
 
-    return dict(step=step, fault=fault, victim=rng.randrange(world), kind=rng.choice(["raw", "raw", "model"]),
+    victim = rng.randrange(1, world) if fault == "host exits" else rng.randrange(world)
+    return dict(step=step, fault=fault, victim=victim, kind=rng.choice(["raw", "raw", "model"]),
                 layout=rng.choice(LAYOUTS), mask=rng.choice(["none", "documents", "padding", "window"]),
                 dtype=rng.choice(["fp32", "bf16"]), seed=rng.randrange(10**6), s=2 * rng.randint(4, 12))
 
@@ -94,11 +99,12 @@ def _inject(case: dict, sp):
         backward = self.opts.label.startswith("the backward")
         # "raise late": the call's last ring step that computes anything (a masked one may be hidden)
         last = max((i for i, w in enumerate(self.work) if w), default=-1)
-        if (fault == "raise backward") != backward or (fault == "raise late" and t != last):
+        late = fault in ("raise late", "host exits")
+        if (fault == "raise backward") != backward or (late and t != last):
             return original(self, t, work)
         seen.append(t)
         if len(seen) == 1:
-            if fault.startswith("raise"):
+            if fault.startswith("raise") or fault == "host exits":
                 def failing(w):
                     raise RuntimeError("injected: the block kernel ran out of memory")
                 return original(self, t, failing)
@@ -206,6 +212,14 @@ def run_case(case: dict, sp) -> dict:
     finally:
         disarm()
     outcome["seconds"] = round(time.perf_counter() - clock[0], 3)
+    if fault == "host exits":  # rank 0, the store's host, ends the job on its error at once (no lingering)
+        if sp.rank == 0:
+            os._exit(1)
+        try:  # the survivors' next call finds it gone: the victim, not rank 0, is still where it began
+            run(dict(case, seed=case["seed"] + 1), sp, False, [0.0])
+            outcome["after"] = "finished"
+        except Exception as exc:  # noqa: BLE001 - judged: a RingSeqError naming the victim
+            outcome["after"] = f"{type(exc).__name__}: {str(exc)[:1500]}"
     if fault in RECOVERABLE and fault not in ("none", "sleep under"):
         # the loop's next step, with new data and no resync call, as a loop that skips a bad step goes on
         again = dict(case, seed=case["seed"] + 1)
@@ -263,6 +277,8 @@ def run_tree(tree: dict) -> dict:
     last = tree["cases"][-1]
     if last["fault"] in BREAKING:  # the victim of a breaking fault gives no outcome for it
         expected.discard((last["victim"], last["step"]))
+    if last["fault"] == "host exits":  # nor the store's host that exits on its error
+        expected.discard((0, last["step"]))
     readers = [reader for reader, _ in pipes]
     try:
         while readers and not expected <= set(got) and time.time() < deadline:
@@ -297,7 +313,7 @@ def judge(tree: dict, ran: dict) -> list[dict]:
         for r in range(world):
             outcome = ran["got"].get((r, step))
             if outcome is None:
-                if not (fault in BREAKING and r == victim):
+                if not (fault in BREAKING and r == victim) and not (fault == "host exits" and r == 0):
                     problems.append(f"rank {r} gave no outcome (a hang or a crash)")
                 continue
             if outcome["outcome"] == "harness":
@@ -327,6 +343,12 @@ def judge(tree: dict, ran: dict) -> list[dict]:
                     bound += SLEEP_PAST
                 if outcome["seconds"] > bound:
                     problems.append(f"rank {r} raised after {outcome['seconds']} s (bound {bound} s)")
+            if fault == "host exits":  # its next call: the victim named again, rank 0 only told of
+                after = outcome.get("after", "")
+                if not after.startswith("RingSeqError") or victim not in _ranks(after.lower(), r"global ranks? ([\d, ]+) raised"):
+                    problems.append(f"rank {r}: the call after rank 0 exited did not name rank {victim}: {after}")
+                elif _ranks(after.lower(), r"global ranks? ([\d, ]+) (?:failed|raised|never)") - {victim}:
+                    problems.append(f"rank {r} blamed another rank than {victim} after rank 0 exited: {after}")
             if fault in RECOVERABLE and outcome.get("again") != "exact":
                 problems.append(f"rank {r}: the call after the fault: {outcome.get('again')}")
         verdicts.append(dict(tree=tree["index"], world=world, **case, ok=not problems, problems=problems,

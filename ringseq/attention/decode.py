@@ -113,7 +113,7 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
             raise
         error, mine = exc, torch.zeros((B, H, n, Dv + 3), dtype=torch.promote_types(q.dtype, torch.float32),
                                        device=q.device)
-        mine[..., -1] = 1  # the status column: this rank's part failed
+        mine[..., -1] = dist.get_rank() + 1  # the status column: this rank's part failed (exact in fp32)
         lockstep.mark_failed(sp, f"{label}: {type(exc).__name__}: {exc}")
     if sp.size > 1:
         every = [torch.empty_like(mine) for _ in range(sp.size)]
@@ -139,4 +139,4 @@ def _check_parts(sp, label: str, flags: torch.Tensor, agreed: bool) -> None:
         lockstep.check_later(sp, label, [flags])
     elif bool(flags.any()):
         lockstep.mark_failed(sp)
-        raise RingSeqError(lockstep.peer_failed(sp, label))
+        raise RingSeqError(lockstep.peer_failed(sp, label, culprit=int(flags.max()) - 1))

@@ -261,6 +261,37 @@ def dead_peer(victim: int = 1):
     return time.perf_counter() - start, text
 
 
+def store_host_exits_after_a_peer_failed(victim: int = 2):
+    """Global rank ``victim``'s block kernel raises after its last transfer of a raw call; global
+    rank 0, which serves the rendezvous store, exits hard on its own error at once (``os._exit``:
+    no lingering), as a user's loop that ends the job may. The survivors name ``victim`` in that
+    call (from its note, or from the call's shared outcome if the store is gone already) and again
+    in their next call, which finds rank 0 gone: rank 0 is told of, never blamed."""
+    import re
+
+    sp = ringseq.init(sp_size=dist.get_world_size(), timeout=10)
+    (q, k, v), _ = _inputs(sp)
+    restore = _fail_at(sp.ring_size - 1) if sp.rank == victim else (lambda: None)
+    try:
+        ringseq.ring_attention(q, k, v, sp=sp)
+    except (RuntimeError, ringseq.RingSeqError) as exc:
+        first = str(exc)
+    else:
+        raise AssertionError("a rank finished a call that failed on another")
+    finally:
+        restore()
+    if sp.rank == 0:
+        os._exit(0)
+    if sp.rank == victim:
+        return first
+    assert f"global rank {victim} raised" in first, first
+    start = time.perf_counter()
+    second = _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), f"global rank {victim} raised",
+                     "global rank 0) has exited")
+    assert not re.search(r"global ranks? 0 (failed|raised|never)", second), second
+    return first, second, time.perf_counter() - start
+
+
 def dead_predecessor_is_named(victim: int = 2, slow: int = 0, delay: float = 2.0):
     """A ring of 4 whose ``victim`` is dead before its successor posts its first hop, while the
     rank that successor sends to (``slow``) is healthy but still busy (no note of its own yet): the

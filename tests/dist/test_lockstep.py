@@ -106,6 +106,15 @@ def test_a_dead_peer_is_a_ringseq_error_at_once():
     assert seconds < 5, (seconds, message)
 
 
+def test_a_store_host_that_exits_after_a_peers_failure_is_not_blamed():
+    pool = DistPool(4, timeout=60)
+    try:
+        results = pool.run_expecting([1, 3], cases.store_host_exits_after_a_peer_failed)
+    finally:
+        pool.close(force=True)
+    assert all(r[2] < 5 for r in (results[1], results[3])), results
+
+
 def test_a_dead_predecessor_is_named_not_the_busy_successor():
     """Rank 3 receives from the dead rank 2 and sends to rank 0, which is still busy: the hop's
     receive is the post that fails, so rank 3 names rank 2 (a post of the send and the receive
