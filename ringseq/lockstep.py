@@ -581,10 +581,30 @@ def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> Non
     try:
         if not (gloo if gloo is not None else not sp.nccl):
             work.wait()
-        else:
+            return
+        # a collective's wait (``peer`` None) that times out can be waited on again; a point-to-point
+        # one cannot (gloo closes the pair), so only collectives say that they wait long
+        signal = peers.signal_after(sp) if peers.shared(sp) and peer is None else sp.timeout
+        if signal >= sp.timeout:
             work.wait(timeout=datetime.timedelta(seconds=sp.timeout))
+            return
+        try:  # the collective goes on meanwhile
+            work.wait(timeout=datetime.timedelta(seconds=signal))
+            return
+        except RuntimeError as exc:
+            if not _timed_out(exc):
+                raise
+        # a long wait says so, so a peer that times out sees this healthy rank waiting, not gone
+        peers.post_waiting(sp, what)
+        work.wait(timeout=datetime.timedelta(seconds=max(0.001, sp.timeout - (time.time() - since))))
+        peers.post_waiting(sp, what, waiting=False)
     except RuntimeError as exc:
         raise transport_error(sp, what, peer, exc, since) from exc
+
+
+def _timed_out(exc: BaseException) -> bool:
+    text = str(exc).lower()
+    return "timed out" in text or "timeout" in text
 
 
 def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: float) -> RingSeqError:
@@ -593,7 +613,7 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     connection names the rank where the failure began, quoting its error where it left one
     (``peers.explain``), and leaves a note that blames it, for the survivors that follow."""
     text = str(exc)
-    timed_out = "timed out" in text.lower() or "timeout" in text.lower()
+    timed_out = _timed_out(exc)
     agreed = state(sp).agreed_at or state(sp).born
     from_whom = f"global rank {peer}" if peer is not None else "the other ranks of the group"
     root = None
@@ -617,5 +637,6 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     mark_broken(sp, message)
     # survivors whose transfers with this rank fail next (gloo closes a process's connections when
     # one fails or times out) follow this note to the cause
-    peers.post_failure(sp, message, cause=peers.AFTERMATH if root is None else root, breaking=True)
+    peers.post_failure(sp, message, cause=peers.AFTERMATH if root is None else root, breaking=True,
+                       stalled=timed_out and root is not None and root != peers.AFTERMATH)
     return RingSeqError(message)

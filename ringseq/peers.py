@@ -177,6 +177,28 @@ def _timeout(sp) -> float:
     return min(GRACE, max(0.5, 0.2 * sp.timeout))
 
 
+def signal_after(sp) -> float:
+    """How long a ringseq wait lasts before it says so in the store (``post_waiting``): half the
+    grace its peers read notes for, so a healthy rank still inside a collective that began within
+    the grace of a peer's timeout is seen waiting, not named as the one that stopped."""
+    return 0.5 * _timeout(sp)
+
+
+def post_waiting(sp, what: str, waiting: bool = True) -> None:
+    """Say in the store that this rank is inside a ringseq wait that has lasted ``signal_after``
+    (``waiting``), or that it has left it (the note then reads as older than any incident). Only
+    long waits write: nothing is written while all is well."""
+    if not shared(sp) or time.time() < _silent_until:
+        return
+    store = _store(_timeout(sp))
+    if store is None:
+        return
+    try:
+        store.set(_key(sp, "waiting", dist.get_rank()), f"{time.time() if waiting else 0.0:.3f}|{what}")
+    except Exception:  # noqa: BLE001 - a courtesy; a store that does not answer is found by the reader
+        _found_silent(sp)
+
+
 NOTE_CHARS = 4000
 """The longest error a note quotes (every ringseq message is shorter: a relayed error quotes its origin whole,
 its fix included)."""
@@ -186,11 +208,12 @@ AFTERMATH = -1
 group found out of step after failures): the note is quoted, its rank is not blamed."""
 
 
-def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False) -> None:
+def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False, stalled: bool = False) -> None:
     """Note that this rank's ringseq call failed (read by peers whose waits then end badly);
     ``cause``: the global rank this rank's error blames (the failure began there), or
     ``AFTERMATH``; ``breaking``: the failure ended the group's transfers (how long the store's
-    host stays at exit, ``linger``)."""
+    host stays at exit, ``linger``); ``stalled``: this rank timed out waiting for ``cause`` (a
+    verdict, not a provisional blame after a closed connection)."""
     if not shared(sp):
         return
     _incident(sp, breaking)
@@ -202,7 +225,8 @@ def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False
     if cause == dist.get_rank():  # a failure that began here (the group named this rank): its own, not a link
         cause = None  # a note blaming itself would be a chain with no root: its readers would wait their grace out
     try:
-        note = f"{time.time():.3f}|{'' if cause is None else cause}|{text[:NOTE_CHARS]}"
+        mark = "!" if stalled and cause is not None else ""
+        note = f"{time.time():.3f}|{mark}{'' if cause is None else cause}|{text[:NOTE_CHARS]}"
         store.set(_key(sp, "failed", dist.get_rank()), note)
     except Exception:  # noqa: BLE001 - a note is a courtesy; the caller raises its own error anyway
         pass
@@ -217,6 +241,8 @@ class _Notes:
         self.store = _store(max(0.05, deadline - time.time()))
         self.failed: dict[int, tuple[int | None, str]] = {}
         self.waiting: set[int] = set()
+        self.stalled: set[int] = set()
+        """Ranks whose note blames a rank they timed out waiting for (not a closed connection's guess)."""
         self.lost = self.store is None
         """The store stopped answering (or never did): its host is stopped, stuck or gone."""
         self.gone = False
@@ -243,6 +269,9 @@ class _Notes:
         note = self._read(_key(self.sp, "failed", rank))
         if note is not None:
             cause, _, text = note.partition("|")
+            if cause.startswith("!"):
+                cause = cause[1:]
+                self.stalled.add(rank)
             self.failed[rank] = (int(cause) if cause else None, text)
             self.waiting.discard(rank)
         elif rank not in self.waiting and self._read(_key(self.sp, "waiting", rank)) is not None:
@@ -259,6 +288,19 @@ class _Notes:
     def roots(self) -> set[int]:
         """The ranks where the failures noted so far began (an aftermath note names none)."""
         return {self.root(r) for r in self.failed} - {AFTERMATH}
+
+    def timed_out_on(self, me: int) -> bool:
+        """Whether a peer's note says it timed out waiting for ``me``."""
+        return any(r in self.stalled and self.failed[r][0] == me for r in self.failed)
+
+    def gave_up_on(self, me: int) -> str:
+        """Words for a rank whose peers' notes blame it (it was stopped, stuck or far slower, and
+        has just come back to find them gone): what they said, not a healthy peer's name."""
+        blamers = sorted(r for r in self.failed if r in self.stalled and self.failed[r][0] == me)
+        said = self.failed[blamers[0]][1] if blamers else ""
+        return (f"the other ranks gave up on this rank (global rank {me}): global rank"
+                f"{'s' if len(blamers) > 1 else ''} {', '.join(map(str, blamers))} timed out waiting for it, so this "
+                f"process was stopped, stuck in other work or far slower than they are ({said[:300]})")
 
     def words(self, rank: int) -> str:
         if rank in self.failed and self.failed[rank][0] is None:
@@ -297,7 +339,10 @@ def blame(sp, what: str, since: float, grace: float | None = None) -> tuple[int 
         return _store_lost(sp, since, grace, notes.gone)
     if notes.lost:  # the notes read before the store stopped answering stand: those ranks began it
         return raised[0], "; ".join([notes.words(r) for r in raised] + [_host_after(notes.gone)])
-    silent = sorted({r for r in others if r not in notes.failed and r not in notes.waiting} | (roots - set(raised)))
+    if me in roots and not raised and notes.timed_out_on(me):  # the others gave up on this rank: it stalled
+        return me, notes.gave_up_on(me)
+    silent = sorted({r for r in others if r not in notes.failed and r not in notes.waiting} | (roots - set(raised)
+                                                                                                - {me}))
     parts = [notes.words(r) for r in raised]
     if silent:
         parts.append(f"global rank{'s' if len(silent) > 1 else ''} {', '.join(map(str, silent))} never reached a "
@@ -379,6 +424,8 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
             if cause == AFTERMATH:
                 return rank, f"global rank {rank} stopped after a failure elsewhere ({text})"
             seen.add(rank)
+            if cause == me and rank in notes.stalled:  # the peer timed out waiting for this rank: it stalled
+                return me, notes.gave_up_on(me)
             if cause == me or cause in seen:  # survivors that blamed each other
                 break
             rank = cause

@@ -202,6 +202,26 @@ def _stop_myself_later(wake_after: float):
     os.kill(os.getpid(), signal.SIGSTOP)
 
 
+def late_healthy_rank_is_waiting(stopped: int = 3, late: int = 2, delay: float = 1.0, timeout: float = 2.0):
+    """A world of 4: global rank ``stopped`` stops (SIGSTOP) before a call's agreement, and healthy
+    rank ``late`` enters it ``delay`` s after the others (busy elsewhere): it times out after their
+    grace of reading notes has ended. Every rank that times out names ``stopped`` alone: a long wait
+    says so in the store, so the late rank reads as waiting, not as one that never reached a wait."""
+    import re
+
+    sp = ringseq.init(sp_size=dist.get_world_size(), timeout=timeout)
+    (q, k, v), _ = _inputs(sp)
+    ringseq.ring_attention(q, k, v, sp=sp)  # warm
+    if sp.rank == stopped:
+        _stop_myself_later(timeout + 3)
+    if sp.rank == late:
+        time.sleep(delay)
+    text = _raises(lambda: ringseq.ring_attention(q, k, v, sp=sp), "never reached a ringseq wait")
+    named = re.search(r"global ranks? ([\d, ]+) never reached a ringseq wait", text)
+    assert named and {int(x) for x in re.findall(r"\d+", named.group(1))} == {stopped}, text
+    return text
+
+
 def stopped_peer(sp_size: int, phases: list, timeout: float, victim: int = 1):
     """Group rank ``victim`` stops (SIGSTOP) at the start of its ring forward or backward
     (``phases[d]`` for the sequence group of data index d); every other rank must raise within

@@ -62,13 +62,14 @@ def _check_stopped(results, victim, sp_size, phase, first):
         assert "timeout" in message, message
 
 
-def _stopped_run(sp_size, phases, victim=1):
+def _stopped_run(sp_size, phases, victim=1, wake=False):
     """A world of 4 in rings of ``sp_size``; group rank ``victim`` of each ring stops in its phase.
-    A stopped peer breaks its group's connections: every run gets a pool of its own."""
+    A stopped peer breaks its group's connections: every run gets a pool of its own. ``wake``:
+    wait for the stopped ranks too (woken after the timeout and 3 s)."""
     pool = DistPool(4)
     try:  # wait for every rank but the stopped ones
-        return pool.run_expecting([r for r in range(4) if r % sp_size != victim], cases.stopped_peer, sp_size,
-                                  phases, TIMEOUT, victim)
+        return pool.run_expecting([r for r in range(4) if wake or r % sp_size != victim], cases.stopped_peer,
+                                  sp_size, phases, TIMEOUT, victim)
     finally:
         pool.close(force=True)
 
@@ -79,7 +80,20 @@ def test_a_stopped_peer_ends_every_wait_within_the_timeout():
     _check_stopped([r for r in results[2:] if r], 1, 2, "backward", 2)
     # one ring of 4, stopped in backward (after a whole forward: every wait kind of the call so far);
     # the forward stop is covered by the rings of 2 above
-    _check_stopped([r for r in _stopped_run(4, ["backward"]) if r], 1, 4, "backward", 0)
+    results = _stopped_run(4, ["backward"], wake=True)
+    _check_stopped(results, 1, 4, "backward", 0)
+    # the stopped rank, woken, finds its peers gone: it says they gave up on it, naming no healthy rank
+    woken = results[1][2]
+    assert "the other ranks gave up on this rank (global rank 1)" in woken, woken
+    assert not re.search(r"global ranks? [\d, ]+ (failed|raised|never)", woken.split(" (while waiting")[0]), woken
+
+
+def test_a_healthy_rank_that_entered_the_wait_late_is_not_named():
+    pool = DistPool(4)
+    try:
+        pool.run_expecting([0, 1, 2], cases.late_healthy_rank_is_waiting)
+    finally:
+        pool.close(force=True)
 
 
 def test_a_stopped_rank_0_serving_the_store_is_named_within_the_timeout():
