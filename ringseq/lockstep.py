@@ -418,6 +418,9 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
             began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
             cause = began[0] if began else peers.AFTERMATH
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
+            if cause == dist.get_rank():  # it began with this rank: its first note stands as the root (no nesting)
+                mark_failed(sp)
+                raise RingSeqError(message)
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it
         raise RingSeqError(message)
 
