@@ -629,12 +629,14 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
         if peer is not None:
             # at once, before reading the others' notes: a survivor whose connection with this rank closed
             # (gloo closes them all) finds that this one is alive and where it looks next
-            peers.post_failure(sp, f"while waiting for {what}: the connection with global rank {peer} closed",
-                               cause=peer, breaking=True)
-            root, words = peers.explain(sp, peer, agreed)
+            closed = f"while waiting for {what}: the connection with global rank {peer} closed"
+            peers.post_failure(sp, closed, cause=peer, breaking=True)
+            with peers.reporting(closed):
+                root, words = peers.explain(sp, peer, agreed)
             cause = words or f"global rank {root} failed or exited ({detail})"
         else:  # a collective of the whole group: the notes of every rank
-            cause = peers.blame(sp, what, agreed)[1] or f"{from_whom} failed or exited ({detail})"
+            with peers.reporting(f"while waiting for {what}: a connection of the group closed ({detail})"):
+                cause = peers.blame(sp, what, agreed)[1] or f"{from_whom} failed or exited ({detail})"
             root = peers.AFTERMATH
     message = f"while waiting for {what}: {cause}"
     mark_broken(sp, message)

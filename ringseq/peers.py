@@ -19,8 +19,11 @@ its host is gone or frozen) the caller names what it can.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import signal
+import sys
 import threading
 import time
 
@@ -131,6 +134,44 @@ def connect(sp) -> None:
 
 
 _silent_until = 0.0
+
+composing: str | None = None
+"""The error this rank is composing after a transport failure while it reads the notes (what it
+waited for, and the rank the notes point at so far): said at once if torchrun's agent stops the
+process meanwhile (``reporting``)."""
+
+
+@contextlib.contextmanager
+def reporting(text: str):
+    """While this rank reads the notes to explain ``text`` (a transfer whose peer's connection
+    closed): under torchrun, whose agent stops every worker with SIGTERM within its monitor
+    interval (0.1 s) of one worker's death, a SIGTERM first writes the error as far as it is
+    known to stderr, then ends the process as it would have. Only here: elsewhere SIGTERM is left
+    as it was (a handler would wait for a blocking wait to return before it ran)."""
+    global composing
+    composing = text
+    previous = None
+    if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
+        previous = signal.getsignal(signal.SIGTERM)
+
+        def on_sigterm(signum, frame):
+            rank = dist.get_rank() if dist.is_initialized() else "?"
+            sys.stderr.write(f"ringseq: RingSeqError on global rank {rank} (torchrun stopped this process while it "
+                             f"read the other ranks' notes): {composing}\n")
+            sys.stderr.flush()
+            if callable(previous):
+                previous(signum, frame)
+                return
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        composing = None
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _found_silent(sp) -> None:
@@ -415,6 +456,7 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
     notes = _Notes(sp, since, time.time() + min(0.3, _timeout(sp)))
     me, rank, seen, extended = dist.get_rank(), peer, set(), False
     while notes.store is not None:  # a note may be a moment behind the closed connection
+        _point_at(rank)
         notes.read(rank)
         if rank in notes.failed:
             cause, text = notes.failed[rank]
@@ -452,6 +494,14 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
                    f"(it served the rendezvous store, which is gone too)")
     silent = [r for r in others if r not in notes.failed and r not in notes.waiting]
     return (silent[0] if len(silent) == 1 else peer), None
+
+
+def _point_at(rank: int) -> None:
+    """``composing`` now points at ``rank`` (the notes followed so far lead there)."""
+    global composing
+    if composing is not None:
+        composing = f"{composing.split(': the notes point at')[0]}: the notes point at global rank {rank}, which " \
+                    f"failed or exited (or a rank its note blames)"
 
 
 def _store_host() -> int | None:

@@ -1,10 +1,11 @@
 """One rank SIGSTOPs itself inside a ring forward under a real launcher; the others report how
 their call ended (tests/integration/test_frozen_under_launchers.py).
 
-    ringseq launch --launcher deepspeed --sp 2 --nproc 2 tests/integration/frozen_rank.py OUT_DIR VICTIM
+    ringseq launch --launcher deepspeed --sp 2 --nproc 2 tests/integration/frozen_rank.py OUT_DIR VICTIM [exit]
 
 Every rank writes its pid to ``OUT_DIR/pid<rank>``; after an exact first call, global rank
-``VICTIM`` stops in the block compute of its second call (forward + backward), and every other rank writes
+``VICTIM`` stops (or with ``exit`` exits) in the block compute of its second call (forward + backward), and
+every other rank writes
 ``OUT_DIR/rank<rank>.json``: the seconds from its call to its error, and the error. The test
 ends the stopped rank and the launcher.
 """
@@ -23,7 +24,7 @@ from ringseq.processes import exit_now
 TIMEOUT = 2.0
 
 
-def main(out_dir: str, victim: int) -> None:
+def main(out_dir: str, victim: int, how: str = "stop") -> None:
     sp = ringseq.init(timeout=TIMEOUT)
     me = torch.distributed.get_rank()
     with open(os.path.join(out_dir, f"pid{me}"), "w") as f:
@@ -36,6 +37,8 @@ def main(out_dir: str, victim: int) -> None:
         original = ring._Schedule.compute
 
         def compute(self, t, work):
+            if how == "exit":  # dies: the launcher then stops the others (torchrun: SIGTERM within 0.1 s)
+                os._exit(3)
             os.kill(os.getpid(), signal.SIGSTOP)
             return original(self, t, work)
 
@@ -57,4 +60,4 @@ def main(out_dir: str, victim: int) -> None:
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]  # the deepspeed launcher adds it
-    main(args[0], int(args[1]))
+    main(args[0], int(args[1]), *args[2:3])

@@ -112,3 +112,18 @@ def test_a_frozen_rank_0_is_named_under_every_launcher(tmp_path, launcher):
     assert "global rank 0 never reached a ringseq wait" in got["message"], got
     assert re.findall(r"global ranks? ([\d, ]+) (?:never reached|failed|raised)", got["message"]) == ["0"], got
     assert 2.0 <= got["seconds"] <= 2.0 + 0.5 + 1.5, got  # the timeout, the notes' grace, a loaded machine
+
+
+def test_a_dead_peer_is_reported_before_torchruns_sigterm(tmp_path):
+    """Under torchrun a worker's death makes the agent SIGTERM the others within its monitor
+    interval (0.1 s), while the survivors whose transfers with it closed are still reading the
+    notes (for up to 0.3 s): each of them writes its RingSeqError, naming the dead rank, before it
+    ends (before, none of the 3 survivors said anything; torchrun's summary names the dead rank)."""
+    run = subprocess.run(torchrun(4, "tests/integration/frozen_rank.py", str(tmp_path), "2", "exit"), cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env={**os.environ, **ONE_THREAD})
+    text = run.stdout + run.stderr
+    reports = re.findall(r"ringseq: RingSeqError on global rank (\d) \(torchrun stopped this process.*", text)
+    # ranks 1 and 3 send to and receive from rank 2: their transfers say at once that it is gone
+    assert {"1", "3"} <= set(reports), text[-4000:]
+    for line in re.findall(r"ringseq: RingSeqError on global rank \d .*", text):
+        assert "the notes point at global rank 2" in line or "global rank 2" in line.split("closed")[0], line
