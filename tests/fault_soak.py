@@ -6,7 +6,9 @@
 
 Cases run in trees of fresh processes (world 2 or 4, a third of them with Ulysses 2 around the
 ring, gloo, a 2 s timeout): a tree runs a few recoverable cases and may end with one that breaks the
-group. The cases of a tree are the steps of a loop that catches an error and skips the step, as
+group, and its processes end as ringseq's test jobs do (``exit_now``), as a user's script does (the
+interpreter's exit handlers), or hard (``os._exit``: no handler, as a killed process). The cases of
+a tree are the steps of a loop that catches an error and skips the step, as
 users write it: no ``ringseq.resync`` anywhere, and after a recoverable fault the loop's next step
 (new data) must be exact on every rank. Each case draws a layout, a mask
 (none, packed documents, left padding, a window), a dtype (fp32, bf16), what runs (raw
@@ -69,7 +71,8 @@ def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, wor
         cases.append(_case(rng, world, rng.choice(recoverable), i))
     if breaking and (rng.random() < 0.6 or len(recoverable) < 2):
         cases.append(_case(rng, world, rng.choice(breaking), len(cases)))
-    return dict(index=index, world=world, ulysses=rng.choice([1, 1, 2]), cases=cases, layouts=LAYOUTS)
+    return dict(index=index, world=world, ulysses=rng.choice([1, 1, 2]), cases=cases, layouts=LAYOUTS,
+                ending=rng.choice(["ringseq", "user", "hard"]))
 
 
 def _case(rng, world: int, fault: str, step: int) -> dict:
@@ -251,6 +254,13 @@ def _rank(rank: int, world: int, port: int, tree: dict, results) -> None:
             results.send((rank, case["step"], run_case(case, sp)))
     except BaseException:  # noqa: BLE001 - the harness reports it
         results.send((rank, -1, dict(outcome="harness", message=traceback.format_exc()[-600:])))
+    if tree.get("ending") == "hard":  # as a process killed or ended by os._exit: no exit handler at all
+        os._exit(0)
+    if tree.get("ending") == "user":  # as a user's script ends: the interpreter's exit handlers (ringseq's lingers)
+        import atexit
+
+        atexit._run_exitfuncs()
+        os._exit(0)
     exit_now(0)  # as our launched test jobs leave: rank 0 stays while the survivors read its store
 
 
