@@ -412,7 +412,9 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
             st.failure, st.agreed_at = None, max(from_bits(row[-1]) for row in table)
             return number
         message = _mismatch(compared, names, hint, behind=verdict == "behind")
-        cause = None
+        odd = _minority(compared)
+        # the ranks out of step with a majority of the group began it: the others' notes point at them
+        cause = sp.ranks[odd[0]] if odd and sp.rank not in odd else None
         if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
             since = st.agreed_at or st.born
             began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
@@ -444,6 +446,16 @@ def _raise_refusals(sp, table: list, mine: bytes, what: str):
     raise RingSeqError(f"{what} was refused by another rank of the group, so every rank raises in it ({named}). "
                        f"Fix that rank's call; the group stays in step: the next call (or a loop that skips this "
                        f"step) goes on")
+
+
+def _minority(rows: torch.Tensor) -> list[int]:
+    """The group ranks whose record differs from one that more than half the group share (none
+    when no record has a majority: two ranks, or a group split evenly, cannot tell who is odd)."""
+    records = [tuple(row) for row in rows.tolist()]
+    top = max(set(records), key=records.count)
+    if 2 * records.count(top) <= len(records):
+        return []
+    return [r for r, record in enumerate(records) if record != top]
 
 
 def _digest(values) -> int:

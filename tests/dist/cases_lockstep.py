@@ -1,6 +1,7 @@
 """Ranks out of step: asymmetric calls, failures inside the ring, stopped and dead peers, the
 straggler report and misuse (``ringseq.lockstep``, ``ringseq.stats``)."""
 import os
+import re
 import signal
 import subprocess
 import time
@@ -90,6 +91,33 @@ def refusals_in_a_row_quote_where_they_began():
         assert text.count("after a failure that began here") == 1 and len(text) < 2000, text
     (q, k, v), dout = _inputs(sp)
     ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # all agreed again: the group works
+
+
+def the_odd_rank_out_is_named():
+    """At world 4 the last rank skips a backward (as if its loss raised and was swallowed) and goes on
+    to its next forward, twice: every rank raises both times, and the second error names only the
+    rank out of step with the other three as where the failures began (every rank used to name
+    every rank, itself included)."""
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    odd = sp.rank == world - 1
+    (q, k, v), dout = _inputs(sp)
+    ringseq.resync(sp, 0)
+    texts = []
+    def step():
+        out = ringseq.ring_attention(q, k, v, sp=sp)
+        if not odd:
+            out.backward(dout)
+        else:
+            ringseq.ring_attention(q, k, v, sp=sp)
+
+    for _ in range(2):
+        texts.append(_raises(step, "out of step"))
+    began = texts[1].split("after a failure that began here: ")[1]
+    named = set(re.findall(r"global rank (\d+) raised", began.split(": group rank")[0]))
+    assert named == {str(sp.ranks[-1])}, texts[1]
+    ringseq.resync(sp, 1)
+    ringseq.ring_attention(q, k, v, sp=sp).backward(dout)
 
 
 def skipped_layer_and_backward_are_refused():

@@ -191,6 +191,10 @@ def test_a_loop_that_skips_a_failed_step_goes_on_exact(pool2, pool4, where, ulys
     pool4.run(cases.skip_loop_after_a_failure, where, ulysses, forward_only)
 
 
+def test_the_rank_out_of_step_with_the_others_is_named(pool4):
+    pool4.run(cases.the_odd_rank_out_is_named)
+
+
 def test_misuse_is_refused_with_the_fix(pool):
     pool.run(cases.misuse_is_refused)
 
