@@ -107,7 +107,7 @@ def _share_rng(sp, device) -> bool:
         lockstep.agree(sp, "decode", {"random state bytes": state.numel()})
         t = state.clone()
         work = dist.broadcast(t, src=sp.ranks[0], group=sp.check_group or sp.group, async_op=True)
-        lockstep.wait(work, sp, "group rank 0's random state", peer=0, gloo=True)
+        lockstep.wait(work, sp, "group rank 0's random state", peer=sp.ranks[0], gloo=True)
         shared.append(t)
     _set_rng_states(shared, device)
     return all(torch.equal(a, b) for a, b in zip(states, shared))
@@ -266,10 +266,7 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
                           attention_mask, position_ids, kwargs)
         keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
         hidden = hidden[:, -keep:]
-    if lockstep.state(handle.sp).pending:  # a GPU's deferred failure flags: read before generate sees a token
-        found = lockstep.settle(handle.sp)
-        if found is not None:
-            raise RingSeqError(found)
+    lockstep.finish_step(handle.sp)  # a GPU's deferred failures: raised before generate sees a token
     return CausalLMOutputWithPast(logits=logit_maps.head_logits(model, hidden), past_key_values=cache)
 
 

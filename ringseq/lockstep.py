@@ -55,7 +55,7 @@ seconds) and the time it entered the agreement (so every rank knows what the agr
 RING_CALLS = ("ring_attention forward", "ring_attention backward")
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
-         "exchange backward", "decode", "rewards", "loss", "backward end")
+         "exchange backward", "decode", "rewards", "loss", "backward end", "outcome")
 """The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
 convolution halos (``ringseq.recurrent``); ``decode`` a generation step's all-gather of partial
 attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``); ``rewards``
@@ -63,7 +63,8 @@ attention outputs, or of the prompt's last hidden state (``ringseq.attention.dec
 sums or its label count (``ringseq.loss``, the router loss): after the last layer, so a rank whose
 last ring call failed after its last transfer meets its peers in an agreement, not in a collective
 of another shape; ``backward end`` the end of every backward pass through a ring call
-(``check_at_end_of_backward``)."""
+(``check_at_end_of_backward``); ``outcome`` a call's shared outcome (``share_outcome``: not an
+agreement, but a record of the same size, so it meets a rank at an agreement in step-sized shape)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position", "refused")
@@ -105,6 +106,9 @@ class _State:
     (``check_later``)."""
     settling: bool = False
     """Whether a check of ``pending`` is queued for the end of the running backward pass."""
+    own_error: BaseException | None = None
+    """This rank's own failure in a step whose later collectives it still makes, raised at the end
+    of the step (a patched decode step on a GPU: ``defer_own``, ``finish_step``)."""
 
 
 _states: dict = {}
@@ -153,30 +157,40 @@ def in_batch() -> bool:
     return _batched.get()
 
 
-def share_outcome(sp, label: str, failed: bool) -> str | None:
+def share_outcome(sp, label: str, failed: bool, origin: bool = True) -> str | None:
     """Whether the call ``label`` failed on any rank, known on every rank before the call returns:
-    one all-reduce of a flag over the group's CPU (gloo) group, bounded by the timeout; no device
-    synchronisation. For the calls whose failure the ring's transfers cannot always carry (a kernel
-    that fails after its rank's last transfer) and whose peers would meet no later agreement of the
-    same step: raw ``ring_attention`` calls (a loop of them may be forward-only, or make several
-    calls a step) and calls under Ulysses (an all-to-all follows the ring). So every rank raises in
-    that call, and a loop that skips the step goes on exact. Returns the error of a rank whose own
+    one all-gather of a record (the agreements' size, over the group's CPU (gloo) group, bounded by
+    the timeout; no device synchronisation), so a rank that is at an agreement instead meets it in
+    a collective of the same shape and both raise out of step. For the calls whose failure the
+    ring's transfers cannot always carry (a kernel that fails after its rank's last transfer) and
+    whose peers would meet no later agreement of the same step: raw ``ring_attention`` calls (a
+    loop of them may be forward-only, or make several calls a step) and calls under Ulysses (an
+    all-to-all follows the ring). So every rank raises in that call, and a loop that skips the step
+    goes on exact. ``origin``: this rank's failure is its own (not a peer's, reached as a flag);
+    the origins are named even when no note can be read. Returns the error of a rank whose own
     call succeeded while a peer's failed (the rank is marked failed: its peers are, in this same call)."""
     if sp.size == 1 or getattr(sp, "timeout", None) is None:  # one rank, or the virtual ring's stand-ins
         return None
-    flag = torch.tensor([dist.get_rank() + 1 if failed else 0], dtype=torch.int64)  # who failed, not only whether
-    start = time.perf_counter()
-    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=sp.check_group, async_op=True)
-    wait(work, sp, f"the outcome of {label} on every rank", peer=None, gloo=True)
-    Clock(sp).time("wait_s", start)
-    if not int(flag):
-        return None
     st = state(sp)
+    mine = torch.zeros(RECORD, dtype=torch.int64)
+    header = [KINDS.index("outcome"), st.number, current_layer(), *(st.failure or (-1, -1, -1)),
+              LAYOUTS.index(sp.layout), sp.ulysses_size, -1, 0]
+    mine[:len(HEADER)] = torch.tensor(header, dtype=torch.int64)
+    mine[len(HEADER)], mine[len(HEADER) + 1] = int(failed), int(failed and origin)
+    mine[-PAYLOAD:] = torch.tensor([0] * HISTORY + _snapshot(sp), dtype=torch.int64)
+    rows = _exchange(sp, mine, f"the outcome of {label} on every rank").tolist()
+    if any(row[_KIND] != KINDS.index("outcome") for row in rows):  # a rank is elsewhere: out of step
+        message = _mismatch(torch.tensor([row[:len(HEADER)] for row in rows]), list(HEADER), "", behind=False)
+        mark_failed(sp, message)
+        raise RingSeqError(message)
+    if not any(row[len(HEADER)] for row in rows):
+        return None
     st.pending = [p for p in st.pending if p[0] != label]  # its deferred flags tell of this same failure
     if failed:
         return None
     mark_failed(sp)
-    return peer_failed(sp, label, culprit=int(flag) - 1)
+    origins = [sp.ranks[r] for r, row in enumerate(rows) if row[len(HEADER) + 1]]
+    return peer_failed(sp, label, culprit=origins[0] if origins else None)
 
 
 def float_bits(x: float | None) -> int:
@@ -288,6 +302,26 @@ def settle(sp, wait: bool = True) -> str | None:
     if found is not None:
         mark_failed(sp)
     return found
+
+
+def defer_own(sp, error: BaseException) -> None:
+    """This rank's part of a step failed, but its peers learn of it only at the end of the step (its
+    flag is read there): it goes on making the step's collectives and raises then (``finish_step``)."""
+    st = state(sp)
+    st.own_error = st.own_error or error
+
+
+def finish_step(sp) -> None:
+    """The end of a step whose failures were deferred (a patched decode step on a GPU): raise this
+    rank's own failure, or a peer's (its flags read now, waiting for the device), before the step's
+    result is used."""
+    st = state(sp)
+    own, st.own_error = st.own_error, None
+    found = settle(sp) if st.pending else None
+    if own is not None:
+        raise own
+    if found is not None:
+        raise RingSeqError(found)
 
 
 def check_at_end_of_backward(sp) -> None:
@@ -420,7 +454,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
             began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
             cause = began[0] if began else peers.AFTERMATH
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
-            if cause == dist.get_rank():  # it began with this rank: its first note stands as the root (no nesting)
+            if dist.get_rank() in began:  # it began with this rank (too): its first note stands as a root (no nesting)
                 mark_failed(sp)
                 raise RingSeqError(message)
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it
@@ -587,7 +621,8 @@ def _show(name: str, value: int) -> str:
 def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> None:
     """Wait for ``work`` at most ``sp.timeout`` seconds (gloo), re-raising a timeout or a dead
     peer's transport error as ``RingSeqError`` that says what was awaited and who stalled or
-    failed. NCCL work is stream-ordered (waiting blocks no host); its group timeout bounds it
+    failed. A collective's wait (``peer`` None) that lasts ``peers.signal_after`` writes a
+    'waiting' note (cleared when it ends), so peers that time out meanwhile see this rank waiting. NCCL work is stream-ordered (waiting blocks no host); its group timeout bounds it
     instead. ``gloo``: whether the work ran on a gloo group (default: whether ``sp``'s groups
     are gloo)."""
     if work is None:
@@ -611,8 +646,10 @@ def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> Non
                 raise
         # a long wait says so, so a peer that times out sees this healthy rank waiting, not gone
         peers.post_waiting(sp, what)
-        work.wait(timeout=datetime.timedelta(seconds=max(0.001, sp.timeout - (time.time() - since))))
-        peers.post_waiting(sp, what, waiting=False)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=max(0.001, sp.timeout - (time.time() - since))))
+        finally:  # however the wait ends (a failure's own note, if any, is written after this)
+            peers.post_waiting(sp, what, waiting=False)
     except RuntimeError as exc:
         raise transport_error(sp, what, peer, exc, since) from exc
 
@@ -654,6 +691,7 @@ def transport_error(sp, what: str, peer: int | None, exc: BaseException, since: 
     mark_broken(sp, message)
     # survivors whose transfers with this rank fail next (gloo closes a process's connections when
     # one fails or times out) follow this note to the cause
-    peers.post_failure(sp, message, cause=peers.AFTERMATH if root is None else root, breaking=True,
-                       stalled=timed_out and root is not None and root != peers.AFTERMATH)
+    # "stalled": this rank timed out waiting for a rank that left no note (not one that raised)
+    stalled = timed_out and root is not None and root >= 0 and f"global rank {root} raised" not in cause
+    peers.post_failure(sp, message, cause=peers.AFTERMATH if root is None else root, breaking=True, stalled=stalled)
     return RingSeqError(message)

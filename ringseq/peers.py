@@ -8,7 +8,8 @@ died; a rank that left a failure note raised, and its error is quoted. A rank wh
 failed because its peer closed the connection reads that peer's note (``explain``): a peer that
 raised because of another rank is followed to that rank, so every survivor names the rank where
 the failure began, not a healthy neighbour that gave up after its own error. Waiting ranks are
-healthy (in a ring every rank waits for its predecessor). Nothing is written while all is well.
+healthy (in a ring every rank waits for its predecessor). Nothing is written while all is well,
+but a note that a collective's wait has lasted long (``post_waiting``).
 
 The notes live in the store every launcher makes for the default process group (torchrun's
 agent's, or ``init_process_group``'s, hosted by global rank 0). Every read and write here is
@@ -150,9 +151,10 @@ def reporting(text: str):
     as it was (a handler would wait for a blocking wait to return before it ran)."""
     global composing
     composing = text
-    previous = None
+    previous, installed = None, False
     if "TORCHELASTIC_RUN_ID" in os.environ and threading.current_thread() is threading.main_thread():
         previous = signal.getsignal(signal.SIGTERM)
+        installed = previous is not None  # None: a handler set outside Python, left alone
 
         def on_sigterm(signum, frame):
             rank = dist.get_rank() if dist.is_initialized() else "?"
@@ -162,15 +164,16 @@ def reporting(text: str):
             if callable(previous):
                 previous(signum, frame)
                 return
-            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+            signal.signal(signal.SIGTERM, previous)
             os.kill(os.getpid(), signal.SIGTERM)
 
-        signal.signal(signal.SIGTERM, on_sigterm)
+        if installed:
+            signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:
         composing = None
-        if previous is not None:
+        if installed:
             signal.signal(signal.SIGTERM, previous)
 
 
@@ -406,8 +409,9 @@ def _store_host_silent(sp, grace: float, gone: bool = False) -> str:
                 f", so no rank's notes could be read: a node or its agent is stopped or gone")
     where = "" if 0 in sp.ranks else " (a rank of another sequence group)"
     if gone:
-        return (f"global rank 0{where} failed or exited: the rendezvous store it served is gone (its connection "
-                f"closed), so no rank's notes could be read")
+        return (f"the rendezvous store is gone (its connection closed): its host, global rank 0{where}, has "
+                f"exited, so no note could be read to tell where the failure began (global rank 0 or a rank it "
+                f"lost first)")
     return (f"global rank 0{where} never reached a ringseq wait: stopped, stuck in other work, far slower, or dead "
             f"(it serves the rendezvous store, which did not answer within {grace:g} s)")
 
@@ -490,8 +494,10 @@ def explain(sp, peer: int, since: float) -> tuple[int, str | None]:
         known = _incidents.get(tuple(sp.ranks))
         if known is not None and known[0] >= since:  # after a failure this rank read of: that is the origin
             return _store_lost(sp, since, 0.0, gone=True)
-        return 0, (f"global rank 0{'' if 0 in sp.ranks else ' (a rank of another sequence group)'} failed or exited "
-                   f"(it served the rendezvous store, which is gone too)")
+        return 0, (f"the connection with global rank {peer} closed and the rendezvous store is gone: its host, "
+                   f"global rank 0{'' if 0 in sp.ranks else ' (a rank of another sequence group)'}, has exited, "
+                   f"so no note could be read to tell where the failure began (global rank {peer}, global rank 0 "
+                   f"or a rank they lost first)")
     silent = [r for r in others if r not in notes.failed and r not in notes.waiting]
     return (silent[0] if len(silent) == 1 else peer), None
 

@@ -91,7 +91,8 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
     keys of every rank of ``sp``: this rank's k [B,K,m,D], v [B,K,m,Dv] at global indices
     ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
     [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 3)
-    floats (the last: whether the rank's part failed: every rank then raises in this call), bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
+    floats (the last: whether the rank's part failed: every rank then raises in this call; in a
+    patched model's decode step on a GPU, at the end of the step, ``lockstep.finish_step``), bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
     a patched model's decode step agrees once on its new tokens, from which every layer's call
     follows alike on every rank, and spares each layer the agreement's round trip (decode is
     latency-bound)."""
@@ -121,22 +122,26 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
         lockstep.wait(work, sp, f"the decode partials of every rank ({tuple(mine.shape)}){lockstep.at_layer()}",
                       peer=None)
         parts = torch.stack(every)
-        if error is not None:
+        deferred = agreed and lockstep.defers(q.device)
+        if error is not None and not deferred:
             raise error
-        _check_parts(sp, label, parts[..., -1].reshape(sp.size, -1)[:, :1], agreed)
+        if error is not None:  # a patched decode step on a GPU: its peers read the flag at the end of the step,
+            lockstep.defer_own(sp, error)  # so this rank makes every later layer's all-gather too, then raises
+        else:
+            _check_parts(sp, label, parts[..., -1].reshape(sp.size, -1)[:, :1], deferred)
     else:
         parts = mine[None]
     head_sinks = None if sinks is None else sinks.reshape(1, -1, 1)
     return merge(parts[..., :-3], parts[..., -3], parts[..., -2], head_sinks)[0].to(q.dtype)
 
 
-def _check_parts(sp, label: str, flags: torch.Tensor, agreed: bool) -> None:
+def _check_parts(sp, label: str, flags: torch.Tensor, deferred: bool) -> None:
     """Raise on every rank whose peers' partials came flagged failed (their part raised): at once
     on the CPU and for a raw call, whose caller gets its result now; a patched model's decode step
-    on a GPU reads them later, without a host synchronisation per layer (``lockstep.check_later``:
-    at its next agreement, and at the end of the decode step: ``patches.generation``)."""
-    if agreed and lockstep.defers(flags.device):
-        lockstep.check_later(sp, label, [flags])
+    on a GPU (``deferred``) reads them later, without a host synchronisation per layer
+    (``lockstep.check_later``: at the end of the decode step, ``lockstep.finish_step``)."""
+    if deferred:
+        lockstep.check_later(sp, label, [flags.amax()])
     elif bool(flags.any()):
         lockstep.mark_failed(sp)
         raise RingSeqError(lockstep.peer_failed(sp, label, culprit=int(flags.max()) - 1))

@@ -21,7 +21,7 @@ rank). Only the K kv heads cross the wire, never copies repeated to H heads. Ins
 is no host synchronisation: a peer's failure travels as a status element of the buffers and is
 read after the loop (on a GPU later still, ``lockstep.check_later``). A failure after a rank's last
 transfer has nothing left to mark: raw calls and calls under Ulysses then share their outcome
-(``RingOptions.shared``: one flag all-reduced over gloo at the end of the forward and of the
+(``RingOptions.shared``: one record all-gathered over gloo at the end of the forward and of the
 backward), a patched model's calls leave it to the batch's later agreements.
 
 A call runs one ring for all heads by default. ``RingOptions.head_groups`` = g runs g rings, one
@@ -174,6 +174,7 @@ class _Schedule:
             elif any(f.tolist()[0] for f in flags):  # CPU tensors: read on the host
                 lockstep.mark_failed(self.opts.sp)
                 error = RingSeqError(lockstep.peer_failed(self.opts.sp, self.opts.label))
+                error.relayed = True  # a peer's failure, passed on (``lockstep.share_outcome`` names origins)
         if error is None:
             return
         if errors is None:
@@ -510,13 +511,16 @@ def _shared(opts: RingOptions, label: str, run, *args):
     try:
         result = run(*args)
     except Exception as exc:
-        if not isinstance(exc, RingSeqError):  # the note first: a peer left waiting in the ring names this rank
-            lockstep.mark_failed(opts.sp, f"{label}: {type(exc).__name__}: {exc}")
+        own = not getattr(exc, "relayed", False)  # not a peer's failure that reached this rank as a flag
+        note = f"{label}: {type(exc).__name__}: {exc}"
+        if own and not isinstance(exc, RingSeqError):  # the note first: a peer left waiting names this rank
+            lockstep.mark_failed(opts.sp, note)
         if not lockstep.state(opts.sp).broken:  # a transport that failed carries nothing more
             try:
-                lockstep.share_outcome(opts.sp, label, failed=True)
-            except RingSeqError:
-                pass  # the wait for the peers failed: this rank's own error is still the one to raise
+                lockstep.share_outcome(opts.sp, label, failed=True, origin=own)
+            except RingSeqError:  # the peers never came: this rank's own error is still the one to raise,
+                if own and not isinstance(exc, RingSeqError):  # and its note the origin's (the wait's replaced it)
+                    lockstep.mark_failed(opts.sp, note)
         raise
     error = lockstep.share_outcome(opts.sp, label, failed=False)
     if error is not None:

@@ -63,12 +63,20 @@ def decode_matches_dense(seed=0):
         decode.KEY_SLAB = old
 
 
-def decode_loop_skips_a_failed_step(steps: int = 4, failing: int = 1, agreed: bool = False):
+def decode_loop_skips_a_failed_step(steps: int = 4, failing: int = 1, agreed: bool = False, deferred: bool = False):
     """A decode loop that catches an error and skips the step, with new queries each step: at step
     ``failing`` the last rank's partial raises (as an out-of-memory would), before its all-gather.
     Every rank raises in that step (the last its own error, the others a ``RingSeqError`` naming it)
     and every other step is exact: no rank's partial of one step merges with another step's.
-    ``agreed``: as a patched model's decode step calls it, without an agreement of its own."""
+    ``agreed``: as a patched model's decode step calls it, without an agreement of its own;
+    ``deferred``: its flags read as on a GPU, at the end of the step (``lockstep.finish_step``, which
+    the patched model's cached forward calls), the failing rank making its all-gather all the same."""
+    if deferred:
+        lockstep.DEFERRED.add("cpu")
+        try:
+            return decode_loop_skips_a_failed_step(steps, failing, agreed)
+        finally:
+            lockstep.DEFERRED.discard("cpu")
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     bad = sp.rank == world - 1
@@ -89,6 +97,8 @@ def decode_loop_skips_a_failed_step(steps: int = 4, failing: int = 1, agreed: bo
                 lockstep.agree(sp, "decode", {"step": step})
             got = decode.decode_attention(q, k[:, :, mine], v[:, :, mine], sp=sp, q_pos=torch.tensor([m - 1]),
                                           k_pos=k_pos[mine], k_valid=valid[:, mine], agreed=agreed)
+            if agreed:
+                lockstep.finish_step(sp)  # the end of the decode step (patches.generation.cached_forward)
         except Exception as exc:  # noqa: BLE001 - every rank must raise at the failing step, and only there
             raised.append((step, f"{type(exc).__name__}: {exc}"))
             continue
