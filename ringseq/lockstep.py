@@ -622,7 +622,8 @@ def wait(work, sp, what: str, peer: int | None, gloo: bool | None = None) -> Non
     """Wait for ``work`` at most ``sp.timeout`` seconds (gloo), re-raising a timeout or a dead
     peer's transport error as ``RingSeqError`` that says what was awaited and who stalled or
     failed. A collective's wait (``peer`` None) that lasts ``peers.signal_after`` writes a
-    'waiting' note (cleared when it ends), so peers that time out meanwhile see this rank waiting. NCCL work is stream-ordered (waiting blocks no host); its group timeout bounds it
+    'waiting' note (cleared when it ends), so peers that time out meanwhile see this rank
+    waiting. NCCL work is stream-ordered (waiting blocks no host); its group timeout bounds it
     instead. ``gloo``: whether the work ran on a gloo group (default: whether ``sp``'s groups
     are gloo)."""
     if work is None:

@@ -92,10 +92,10 @@ def decode_attention(q, k, v, *, sp, q_pos, k_pos, k_valid, scale=None, window=N
     ``k_pos`` [m], ``k_valid`` [B, m]; ``q_pos`` [n] the queries' global indices. Returns
     [B,H,n,Dv] in q's dtype, identical on every rank. One all-gather of B x H x n x (Dv + 3)
     floats (the last: whether the rank's part failed: every rank then raises in this call; in a
-    patched model's decode step on a GPU, at the end of the step, ``lockstep.finish_step``), bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``:
-    a patched model's decode step agrees once on its new tokens, from which every layer's call
-    follows alike on every rank, and spares each layer the agreement's round trip (decode is
-    latency-bound)."""
+    patched model's decode step on a GPU, at the end of the step, ``lockstep.finish_step``),
+    bounded by ``sp.timeout`` and agreed first (``ringseq.lockstep``) unless ``agreed``: a patched
+    model's decode step agrees once on its new tokens, from which every layer's call follows alike
+    on every rank, and spares each layer the agreement's round trip (decode is latency-bound)."""
     scale = q.size(-1) ** -0.5 if scale is None else scale
     B, H, n, Dv = q.size(0), q.size(1), q.size(2), v.size(-1)
     label = f"decode attention{lockstep.at_layer()}"
