@@ -93,6 +93,16 @@ def refusals_in_a_row_quote_where_they_began():
     ringseq.ring_attention(q, k, v, sp=sp).backward(dout)  # all agreed again: the group works
 
 
+def _skip_backward(sp, odd: bool, q, k, v, dout):
+    """A step in which the ``odd`` rank skips its backward (as if its loss raised and was swallowed)
+    and goes on to its next forward, while the others run theirs."""
+    out = ringseq.ring_attention(q, k, v, sp=sp)
+    if not odd:
+        out.backward(dout)
+    else:
+        ringseq.ring_attention(q, k, v, sp=sp)
+
+
 def the_odd_rank_out_is_named():
     """At world 4 the last rank skips a backward (as if its loss raised and was swallowed) and goes on
     to its next forward, twice: every rank raises both times, and the second error names only the
@@ -103,16 +113,7 @@ def the_odd_rank_out_is_named():
     odd = sp.rank == world - 1
     (q, k, v), dout = _inputs(sp)
     ringseq.resync(sp, 0)
-    texts = []
-    def step():
-        out = ringseq.ring_attention(q, k, v, sp=sp)
-        if not odd:
-            out.backward(dout)
-        else:
-            ringseq.ring_attention(q, k, v, sp=sp)
-
-    for _ in range(2):
-        texts.append(_raises(step, "out of step"))
+    texts = [_raises(lambda: _skip_backward(sp, odd, q, k, v, dout), "out of step") for _ in range(2)]
     began = texts[1].split("after a failure that began here: ")[1]
     named = set(re.findall(r"global rank (\d+) raised", began.split(": group rank")[0]))
     assert named == {str(sp.ranks[-1])}, texts[1]
@@ -141,14 +142,7 @@ def skipped_layer_and_backward_are_refused():
     ringseq.resync(sp, 1)
     ringseq.ring_attention(q, k, v, sp=sp)  # in step again
 
-    def skipped_backward():
-        out = ringseq.ring_attention(q, k, v, sp=sp)
-        if not odd:
-            out.backward(dout)
-        else:
-            ringseq.ring_attention(q, k, v, sp=sp)
-
-    _raises(skipped_backward, "out of step", "ring_attention backward", "ring_attention forward")
+    _raises(lambda: _skip_backward(sp, odd, q, k, v, dout), "out of step", "ring_attention backward", "ring_attention forward")
     ringseq.resync(sp, 2)
     ids = torch.arange(4 * world)[None]
     batch = {"input_ids": ids, **({"labels": ids} if odd else {})}
