@@ -172,12 +172,10 @@ def share_outcome(sp, label: str, failed: bool, origin: bool = True) -> str | No
     if sp.size == 1 or getattr(sp, "timeout", None) is None:  # one rank, or the virtual ring's stand-ins
         return None
     st = state(sp)
-    mine = torch.zeros(RECORD, dtype=torch.int64)
-    header = [KINDS.index("outcome"), st.number, current_layer(), *(st.failure or (-1, -1, -1)),
-              LAYOUTS.index(sp.layout), sp.ulysses_size, -1, 0]
-    mine[:len(HEADER)] = torch.tensor(header, dtype=torch.int64)
-    mine[len(HEADER)], mine[len(HEADER) + 1] = int(failed), int(failed and origin)
-    mine[-PAYLOAD:] = torch.tensor([0] * HISTORY + _snapshot(sp), dtype=torch.int64)
+    values = [KINDS.index("outcome"), st.number, current_layer(), *(st.failure or (-1, -1, -1)),
+              LAYOUTS.index(sp.layout), sp.ulysses_size, -1, 0, int(failed), int(failed and origin)]
+    # built on the host and made a tensor once, as an agreement's record is (no tensor op per slot)
+    mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - len(values) + HISTORY) + _snapshot(sp), dtype=torch.int64)
     rows = _exchange(sp, mine, f"the outcome of {label} on every rank").tolist()
     if any(row[_KIND] != KINDS.index("outcome") for row in rows):  # a rank is elsewhere: out of step
         message = _mismatch(torch.tensor([row[:len(HEADER)] for row in rows]), list(HEADER), "", behind=False)
