@@ -25,8 +25,9 @@ class _Probe(Exception):
 
 
 def probe_mask_call(kwargs: dict) -> None:
-    """Called by ringseq's mask function: during a probe, report and stop the forward."""
-    if _PROBING.get():
+    """Called by ringseq's mask function: during a probe, report and stop the forward (a probe
+    runs eagerly, at patch time: under ``torch.compile`` there is none to read)."""
+    if not torch.compiler.is_compiling() and _PROBING.get():
         raise _Probe(packed=not kwargs.get("allow_is_causal_skip", True))
 
 

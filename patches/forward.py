@@ -10,6 +10,7 @@ sum / global count.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
@@ -68,6 +69,22 @@ def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, label
     return local, facts
 
 
+@dataclasses.dataclass
+class _Step:
+    """One training or scoring forward between its bookkeeping and its decoder run."""
+
+    handle: object
+    batch: ShardedBatch | None = None
+    kwargs: dict | None = None
+    local: dict | None = None
+    padding: object = None
+    out: object = None
+    """The decoder's output when the preparation ran it already (a vision-language model's)."""
+    router: object = None
+    unshifted: bool = False
+
+
+@functools.partial(torch.compiler.disable, recursive=False)
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
             shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,
             fused_lm_head=False, logits_fn=None, logits_to_keep=0, cache=None, **kwargs):
@@ -80,7 +97,41 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     sequence in global order: full-vocabulary logits of the shard are never held. With a KV
     cache (``use_cache=True`` or ``past_key_values``: ``generate``'s calls) it prefills or decodes
     over the group's sharded cache instead (``patches.generation``): logits of the last token only
-    in the prefill, of the new tokens (or the last ``logits_to_keep``) in a decode step."""
+    in the prefill, of the new tokens (or the last ``logits_to_keep``) in a decode step.
+
+    Under ``torch.compile`` (of the model, ``model.compile()``) this frame and its bookkeeping
+    (batch, agreements, loss) run eagerly and the decoder runs compiled, each attention layer's
+    ring one op (``ringseq.attention.compiled``)."""
+    step = _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
+                    num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache,
+                    kwargs)
+    if not isinstance(step, _Step):
+        return step  # a generation call's output
+    if step.out is None:
+        try:
+            with mixers.patched_forward():
+                step.out = self.get_decoder()(input_ids=step.local.get("input_ids"),
+                                              inputs_embeds=step.local.get("inputs_embeds"),
+                                              position_ids=step.local["position_ids"], use_cache=False,
+                                              ringseq=step.batch, **step.kwargs)
+        except RingSeqError:
+            raise
+        except BaseException as exc:
+            _failed(step.handle, exc)
+            raise
+    return _outputs(self, step, num_items_in_batch, fused_lm_head, logits_fn)
+
+
+@torch.compiler.disable
+def _failed(handle, exc: BaseException) -> None:
+    lockstep.mark_failed(handle.sp, f"the patched forward: {type(exc).__name__}: {exc}")
+
+
+@torch.compiler.disable
+def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
+             num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache, kwargs):
+    """Everything before the decoder: checks, the engine, the batch, the fit switches and
+    checkpointing; a generation call is run whole here (its output returned instead of a step)."""
     handle = self._ringseq_patch
     if past_key_values is None:  # transformers >= 5.24 names it ``cache`` (and validates generate's kwargs by it)
         past_key_values = cache
@@ -100,38 +151,45 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
         return cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask, position_ids,
                               logits_to_keep, kwargs)
-    unshifted = labels is not None and ringseq is None  # TRL's fused head then returns S - 1 tokens
+    step = _Step(handle, kwargs=kwargs, unshifted=labels is not None and ringseq is None)  # TRL's fused head: S - 1
     balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)
-    router = _router(self, handle, kwargs)
+    step.router = _router(self, handle, kwargs)
     if handle.fit is not None and self.training and torch.is_grad_enabled():  # the switches for this length
         rows = next(x for x in (input_ids, inputs_embeds) if x is not None)
-        fitting.before_step(self, handle, rows.shape[0], ringseq.padded_length if ringseq is not None else rows.shape[1])
+        length = ringseq.padded_length if ringseq is not None else rows.shape[1]
+        fitting.before_step(self, handle, rows.shape[0], length)
     checkpointing.wrap(self, handle.offload, handle.keep_ring_outputs)  # checkpointed layers keep ring outputs
     try:
+        if handle.vision is None:
+            step.local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
+                                       shift_labels, ringseq, counted=num_items_in_batch is not None,
+                                       balance=balance, vocab=_vocabulary(self))
+            step.batch = batch.with_head_groups(handle.head_groups)
+            step.padding = step.local.get("attention_mask")
+            if handle.recurrent and step.padding is not None:
+                kwargs["attention_mask"] = step.padding  # recurrent layers zero padding with this rank's shard
+            return step
+        # the multimodal part on the full batch, the language model sharded (and run here, eagerly)
+        if ringseq is not None:
+            raise RingSeqError("a vision-language model takes the full batch (images and placeholder tokens), not "
+                               "one from ringseq.shard_batch: call the patched model on it")
         with mixers.patched_forward():
-            if handle.vision is not None:  # the multimodal part on the full batch, the language model sharded
-                if ringseq is not None:
-                    raise RingSeqError("a vision-language model takes the full batch (images and placeholder "
-                                       "tokens), not one from ringseq.shard_batch: call the patched model on it")
-                padding = None
-                out, batch = vision.run(self, handle, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                        attention_mask=attention_mask, position_ids=position_ids, labels=labels,
-                                        shift_labels=shift_labels, kwargs=kwargs, balance=balance)
-            else:
-                local, batch = _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, labels,
-                                      shift_labels, ringseq, counted=num_items_in_batch is not None,
-                                      balance=balance, vocab=_vocabulary(self))
-                batch = batch.with_head_groups(handle.head_groups)
-                padding = local.get("attention_mask")
-                if handle.recurrent and padding is not None:
-                    kwargs["attention_mask"] = padding  # recurrent layers zero padding with this rank's shard
-                out = self.get_decoder()(input_ids=local.get("input_ids"), inputs_embeds=local.get("inputs_embeds"),
-                                         position_ids=local["position_ids"], use_cache=False, ringseq=batch, **kwargs)
+            step.out, step.batch = vision.run(self, handle, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                                              attention_mask=attention_mask, position_ids=position_ids,
+                                              labels=labels, shift_labels=shift_labels, kwargs=kwargs,
+                                              balance=balance)
     except RingSeqError:
         raise  # ringseq's own failures have told the peers already
     except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)
-        lockstep.mark_failed(handle.sp, f"the patched forward: {type(exc).__name__}: {exc}")
+        _failed(handle, exc)
         raise
+    return step
+
+
+@torch.compiler.disable
+def _outputs(self, step: _Step, num_items_in_batch, fused_lm_head, logits_fn):
+    """The loss (the router's included), the logits or TRL's fused head from the decoder's output."""
+    out, batch, router, padding = step.out, step.batch, step.router, step.padding
     hidden, targets = out.last_hidden_state, batch.labels
     count = num_items_in_batch if num_items_in_batch is not None else batch.count
     aux = None
@@ -141,8 +199,9 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     if fused_lm_head:
         from .fused_head import fused_outputs
 
-        return fused_outputs(self, batch, hidden, drop_last=unshifted, num_items_in_batch=num_items_in_batch,
+        return fused_outputs(self, batch, hidden, drop_last=step.unshifted, num_items_in_batch=num_items_in_batch,
                              aux_loss=aux)
+    handle = step.handle
     loss = logits = None
     if targets is not None and (handle.chunked_loss or logits_fn is not None):
         loss = chunked_cross_entropy(hidden, targets, self.get_output_embeddings(), sp=handle.sp, count=count,
@@ -153,7 +212,7 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         if targets is not None:
             loss = cross_entropy(logits, targets, sp=handle.sp, num_items_in_batch=count)
     if logits_fn is not None:
-        logits = _preprocessed(self, hidden, batch.raw_labels if unshifted else None, logits_fn, batch)
+        logits = _preprocessed(self, hidden, batch.raw_labels if step.unshifted else None, logits_fn, batch)
     if router is None:
         return CausalLMOutputWithPast(loss=loss, logits=logits, hidden_states=out.hidden_states)
     if loss is not None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ringseq import lockstep
-from ringseq.attention import ring_attention
+from ringseq.attention import compiled, ring_attention
 from ringseq.attention.decode import decode_attention
 from ringseq.errors import RingSeqError
 
@@ -55,6 +55,21 @@ def _check_kwargs(kwargs: dict) -> None:
                            f"and supports causal, window, softcap and sink attention only")
 
 
+@torch.compiler.disable
+def _decode_eagerly(module, query, key, value, step: DecodeStep, scaling, sliding_window, softcap, s_aux):
+    """A decode step's attention: the new tokens over every rank's cache shard (eager also under
+    ``torch.compile``: the cache's bookkeeping is Python)."""
+    held = step.cache.last_layer  # the keys this layer's cache just returned: their indices and padding
+    if held is None or held.keys is not key:
+        raise RingSeqError("a decode step's attention got keys that are not the sharded cache's: this model "
+                           "does not read its keys from past_key_values.update, which ringseq needs")
+    with lockstep.layer(getattr(module, "layer_idx", None)):
+        out = decode_attention(query, key, value, sp=step.sp, q_pos=step.q_pos, k_pos=held.positions,
+                               k_valid=held.valid, scale=scaling, window=sliding_window, softcap=softcap,
+                               sinks=s_aux, agreed=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
 def attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                       sliding_window=None, softcap=None, s_aux=None, ringseq=None, **kwargs):
     _check_kwargs(kwargs)
@@ -69,16 +84,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
                            f"config.attention_dropout = 0.0")
     if not getattr(module, "is_causal", True):
         raise RingSeqError("bidirectional attention is not supported; ringseq patches causal decoders")
-    if isinstance(ringseq, DecodeStep):  # generation: the new tokens over every rank's cache shard
-        held = ringseq.cache.last_layer  # the keys this layer's cache just returned: their indices and padding
-        if held is None or held.keys is not key:
-            raise RingSeqError("a decode step's attention got keys that are not the sharded cache's: this model "
-                               "does not read its keys from past_key_values.update, which ringseq needs")
-        with lockstep.layer(getattr(module, "layer_idx", None)):
-            out = decode_attention(query, key, value, sp=ringseq.sp, q_pos=ringseq.q_pos, k_pos=held.positions,
-                                   k_valid=held.valid, scale=scaling, window=sliding_window, softcap=softcap,
-                                   sinks=s_aux, agreed=True)
+    if torch.compiler.is_compiling():  # the ring as one op in the compiled graph (``ringseq.attention.compiled``)
+        if isinstance(ringseq, DecodeStep):
+            return _decode_eagerly(module, query, key, value, ringseq, scaling, sliding_window, softcap, s_aux)
+        out = compiled.attend(query, key, value, batch=ringseq, scale=scaling, window=sliding_window, softcap=softcap,
+                              sinks=s_aux)
         return out.transpose(1, 2).contiguous(), None
+    if isinstance(ringseq, DecodeStep):  # generation: the new tokens over every rank's cache shard
+        return _decode_eagerly(module, query, key, value, ringseq, scaling, sliding_window, softcap, s_aux)
     with lockstep.layer(getattr(module, "layer_idx", None)):
         out = ring_attention(query, key, value, sp=ringseq.sp, causal=True, scale=scaling, window=sliding_window,
                              softcap=softcap, sinks=s_aux, token_info=ringseq.info, head_groups=ringseq.head_groups)

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 import torch
 
 from . import lockstep
+from .attention.compiled import register_batch
 from .attention.masks import TokenInfo, documents
 from .attention.work import per_rank
 from .balance import balanced
@@ -59,6 +60,11 @@ class ShardedBatch:
     head_groups: object = None
     """How the attention layers run their ring calls on this batch: the patched model's
     ``patch(head_groups=)`` (None: one ring for all heads; ``ring_attention``'s ``head_groups``)."""
+    key: torch.Tensor = dataclasses.field(init=False, repr=False)
+    """A 0-d int64 tensor naming this batch to the compiled ring ops (``ringseq.attention.compiled``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", register_batch(self))
 
     @property
     def padded_length(self) -> int:

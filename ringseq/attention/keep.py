@@ -28,15 +28,15 @@ class Kept:
     """The ring outputs of one run of one checkpointed layer: recorded by its first forward,
     replayed (in call order) by each recompute."""
 
-    def __init__(self, *, offload: bool = False):
-        self.offload = offload
+    def __init__(self, *, offload: bool = False, record: bool = True):
+        self.offload, self.record = offload, record
         self.entries: list[tuple] = []
         self.replaying = False
         self._next = 0
 
     def put(self, out: torch.Tensor, lse: torch.Tensor, aux) -> None:
         """Keep one call's result (first forward only)."""
-        if not self.replaying:
+        if self.record and not self.replaying:
             self.entries.append((self._store(out.detach()), self._store(lse), aux))
 
     def take(self, q: torch.Tensor):
@@ -87,13 +87,13 @@ def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool 
         return checkpoint_fn
 
     def checkpoint(function, *args, **kwargs):
-        run = function
-        if keep:
-            kept = Kept(offload=offload)
+        if torch.compiler.is_compiling():  # traced by dynamo: the ring op refuses its recompute (``compiled``)
+            return checkpoint_fn(function, *args, **kwargs)
+        kept = Kept(offload=offload, record=keep)  # not recording: the runs are still told apart (``compiled``)
 
-            def run(*a, **k):
-                with kept.run():
-                    return function(*a, **k)
+        def run(*a, **k):
+            with kept.run():
+                return function(*a, **k)
 
         if not offload:
             return checkpoint_fn(run, *args, **kwargs)

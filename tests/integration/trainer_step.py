@@ -107,7 +107,8 @@ def params_of(trainer):
     import deepspeed
 
     out = {}
-    for name, p in trainer.accelerator.unwrap_model(trainer.model_wrapped).named_parameters():
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped, keep_torch_compile=False)
+    for name, p in model.named_parameters():
         with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else _nothing():
             name = name.replace("_checkpoint_wrapped_module.", "")  # FSDP's activation checkpointing wrapper
             out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()  # FSDP2: DTensor
@@ -145,7 +146,7 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
-                              gradient_checkpointing=case.checkpointing, **extra)
+                              gradient_checkpointing=case.checkpointing, torch_compile=case.compile, **extra)
     # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned; on CPU
     # TrainingArguments(use_cpu=True) does not start DeepSpeed's comm layer, which zero.Init needs
     if case.pretrained and case.stage is not None:
@@ -182,7 +183,7 @@ def stock_trainer_is_refused(sp, train):
 
 
 CASE_KEYS = {"stage", "section", "resume", "pretrained", "checkpointing", "hybrid", "fit", "fsdp", "ac", "ramload",
-             "sharded", "cp", "refuse"}
+             "sharded", "cp", "refuse", "compile"}
 REFUSALS = {  # a configuration, and the words of the RingSeqError it must raise on every rank
     "fsdp1": "FSDP version 1 through Accelerate needs a GPU",
     "cp_mismatch": "cp_size=2 but ringseq's sequence group has 1 ranks",
@@ -193,7 +194,7 @@ def parse_case(text: str, sp_size: int, gas: int) -> argparse.Namespace:
     """``stage=3,resume,section`` -> a namespace with every case key (absent: None / False)."""
     case = argparse.Namespace(stage=None, section=False, resume=False, pretrained=False, checkpointing=False,
                               hybrid=False, fit=False, fsdp=False, ac=False, ramload=False, sharded=False, cp=False,
-                              refuse=None, sp=sp_size, gas=gas)
+                              refuse=None, compile=False, sp=sp_size, gas=gas)
     for item in filter(None, text.split(",")):
         key, _, value = item.partition("=")
         if key not in CASE_KEYS:
@@ -236,8 +237,11 @@ def run_case(case, sp, out_dir: str) -> None:
     assert seen == steps * case.gas * dp * S, f"rank {rank}: {seen} input tokens counted, not {steps * case.gas * dp * S}"
 
     engine = f"stage {case.stage}" if case.stage is not None else "FSDP2" if case.fsdp else "DDP"
-    engine += "".join(f" {k}" for k in ("cp", "ac", "ramload", "sharded", "hybrid") if getattr(case, k))
+    engine += "".join(f" {k}" for k in ("cp", "ac", "ramload", "sharded", "hybrid", "compile") if getattr(case, k))
     what = f"rank {rank}: Trainer sp {sp.size} dp {dp} {engine}"
+    if case.compile:  # the Trainer trained the model torch.compile made (Accelerate's dynamo plugin)
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), \
+            f"{what}: the Trainer trained {type(trainer.model_wrapped).__name__}, not a compiled model"
     if case.fsdp:
         assert trainer.is_fsdp_enabled and trainer.accelerator.is_fsdp2, f"{what}: the Trainer dropped FSDP2"
     if case.fit:  # the Trainer kept fit through its re-patching; fit costed DeepSpeed's stage

@@ -1,0 +1,189 @@
+"""The ring as PyTorch custom ops, for the patched attention under ``torch.compile``.
+
+Dynamo cannot trace the ring: its transfers, agreements and failure notes are Python that
+talks to other processes. So under ``torch.compile`` each attention layer calls one opaque op,
+``ringseq::ring_attention``, whose implementation is the eager ring (``ringseq.ring_attention``
+with everything it checks, agrees and shares), and whose gradient is a second op,
+``ringseq::ring_attention_backward``, that runs the eager ring's backward. Both have fake
+implementations (shapes only), so a decoder layer compiles as one graph with the ring inside.
+
+What a call needs of its batch (documents, padding, the batch's layout, the sequence group,
+head groups) reaches the op as a 0-d int64 tensor naming the batch (``ShardedBatch.key``,
+``register_batch``): a graph input, so a new batch of the same shape is no recompile, and
+nothing batch-dependent is a constant of the graph. The forward keeps its eager autograd graph
+(the ring's saved q, k, v, output and log-sum-exp, as eager autograd would) under a number it
+returns as a second 0-d tensor; the backward op takes that graph back by the number and runs it.
+
+Activation checkpointing (``ringseq.attention.keep``): a checkpointed layer's first forward
+keeps no graph (its outputs are recomputed in the backward); the recompute keeps one, from the
+ring outputs the first forward kept (or from a replayed ring with ``keep_ring_outputs=False``).
+A forward whose backward never runs (a loss dropped with grad enabled) is forgotten after
+``KEEP_BATCHES`` newer batches; a backward later than that is refused by name.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+from ringseq.errors import RingSeqError
+
+from . import keep
+
+KEEP_BATCHES = 8
+"""Batches whose compiled ring calls still wait for their backward, at most; older ones are forgotten."""
+
+_batches: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_batch_numbers = itertools.count(1)
+_call_numbers = itertools.count(1)
+
+
+@dataclasses.dataclass
+class _Pending:
+    batch: int
+    out: torch.Tensor
+    leaves: tuple
+
+
+_pending: dict[int, _Pending] = {}
+_waiting: list[int] = []
+"""The batches (numbers, oldest first) whose compiled calls kept a graph, the latest ``KEEP_BATCHES``."""
+
+
+def register_batch(batch) -> torch.Tensor:
+    """A 0-d int64 tensor naming ``batch`` (a ``ShardedBatch``) for the compiled ring ops; the
+    batch is held weakly: the caller keeps it alive while its layers run."""
+    number = next(_batch_numbers)
+    _batches[number] = batch
+    return torch.tensor(number, dtype=torch.long)
+
+
+@contextlib.contextmanager
+def _autograd():
+    """Autograd on inside a custom op's implementation, which the dispatcher runs below autograd
+    (the eager ring builds and later runs its own graph there); autocast stays off."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    keys = torch._C.DispatchKey
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+        exclude = exclude.remove(key)
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
+        yield
+
+
+def _optional(value, none):
+    return None if value == none else value
+
+
+@torch.library.custom_op("ringseq::ring_attention", mutates_args=())
+def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], batch: torch.Tensor,
+             scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    from .api import ring_attention
+
+    if torch._C._current_graph_task_id() != -1:  # run by a backward: activation checkpointing's recompute
+        raise RingSeqError("a compiled layer under activation checkpointing recomputes its ring_attention in the "
+                           "backward, which ringseq does not support under torch.compile yet (the compiled "
+                           "recompute cannot reuse the ring's outputs): compile without gradient / activation "
+                           "checkpointing, or checkpoint without compiling")
+    number = int(batch)
+    found = _batches.get(number)
+    if found is None:
+        raise RingSeqError(f"a compiled ring_attention call names batch {number}, which is gone: the compiled "
+                           f"attention reads its batch from the patched forward (or ringseq.shard_batch's "
+                           f"local['ringseq']), which must stay alive while its layers run")
+    kept = keep.current()
+    retain = train and not (kept is not None and not kept.replaying)  # a checkpointed first forward: recomputed
+    with _autograd(), torch.set_grad_enabled(retain):
+        leaves = tuple(None if t is None else t.detach().requires_grad_(retain) for t in (q, k, v, sinks))
+        out = ring_attention(*leaves[:3], sp=found.sp, causal=True, scale=_optional(scale, -1.0),
+                             window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=leaves[3],
+                             token_info=found.info, head_groups=found.head_groups)
+    call = 0
+    if retain:
+        call = next(_call_numbers)
+        _pending[call] = _Pending(number, out, tuple(t for t in leaves if t is not None))
+        _forget_old(number)
+    # a copy: the compiled graph may reuse a dead output's memory, and the kept graph saved this one
+    return out.detach().clone(memory_format=torch.contiguous_format), torch.tensor(call, dtype=torch.long)
+
+
+def _forget_old(number: int) -> None:
+    """Keep the graphs of the ``KEEP_BATCHES`` latest batches that wait for a backward."""
+    if number in _waiting:
+        return
+    _waiting.append(number)
+    for old in _waiting[:-KEEP_BATCHES]:
+        for call in [c for c, p in _pending.items() if p.batch == old]:
+            del _pending[call]
+    del _waiting[:-KEEP_BATCHES]
+
+
+@_forward.register_fake
+def _(q, k, v, sinks, batch, scale, window, softcap, train):
+    return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty((), dtype=torch.long, device="cpu")
+
+
+@torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=())
+def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    pending = _pending.pop(int(call), None)
+    if pending is None:
+        raise RingSeqError(f"the backward of a compiled ring_attention call found its forward's graph gone: ringseq "
+                           f"keeps it for the {KEEP_BATCHES} latest batches (or it ran already, or its forward "
+                           f"was a checkpointed layer's first run, which the recompute replaces). Run each "
+                           f"batch's backward before {KEEP_BATCHES} more batches go forward")
+    with _autograd():
+        grads = torch.autograd.grad(pending.out, pending.leaves, dout, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else _like(g, t) for g, t in zip(grads, pending.leaves)]
+    seen = {t.untyped_storage().data_ptr() for t in (dout, q, k, v, sinks) if t is not None}
+    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
+        if g.untyped_storage().data_ptr() in seen:
+            grads[i] = g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+    if sinks is None:
+        grads.append(dout.new_empty(0))
+    return tuple(grads)
+
+
+def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``grad`` in ``t``'s strides (what the fake implementation promises: ``empty_like``)."""
+    return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
+
+
+@_backward.register_fake
+def _(dout, call, q, k, v, sinks):
+    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+            dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, sinks = inputs[:4]
+    ctx.sinks = sinks is not None
+    ctx.save_for_backward(output[1], q, k, v, sinks)
+
+
+def _gradients(ctx, dout, _call):
+    call, q, k, v, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, q, k, v, sinks)
+    return dq, dk, dv, dsinks if ctx.sinks else None, None, None, None, None, None
+
+
+torch.library.register_autograd("ringseq::ring_attention", _gradients, setup_context=_setup)
+
+
+
+def attend(q, k, v, *, batch, scale=None, window=None, softcap=None, sinks=None) -> torch.Tensor:
+    """The patched attention's ring call as the compiled graph sees it (traced by dynamo): q, k,
+    v cast as ``ring_attention`` casts them under autocast, then one ``ringseq::ring_attention``."""
+    device = q.device.type
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        q, k, v = (t.to(dtype) for t in (q, k, v))
+    train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
+    out, _ = torch.ops.ringseq.ring_attention(q, k, v, sinks, batch.key, -1.0 if scale is None else float(scale),
+                                              -1 if window is None else int(window),
+                                              0.0 if softcap is None else float(softcap), train)
+    return out

@@ -1,0 +1,128 @@
+"""Patched models under torch.compile, each compiled path against the unpatched eager model.
+
+Compiled as users compile: the whole model (``torch.compile(model)``, ``model.compile()``) or each
+decoder layer (``layer.compile(fullgraph=True)``, torchtitan's way, after checkpointing when it
+is on). A step on one batch, then a step on another batch of the same shape whose loss and
+gradients must be the unpatched model's (by the 2x rule); dynamo's counters must show no graph
+break and no graph made by the second step (no recompile)."""
+import copy
+
+import torch
+import torch.distributed as dist
+
+import ringseq
+from ringseq.testing import shared_init
+
+from .hf_models import EAGER, check_against, loss_and_grads, make_batch, references
+
+
+def _compile(model, how: str, backend: str):
+    """``model`` as it is called after compiling it ``how`` with ``backend``."""
+    if how == "eager":
+        return model
+    if how == "model":
+        return torch.compile(model, backend=backend)
+    if how == "method":
+        model.compile(backend=backend)
+        return model
+    for layer in model.get_decoder().layers:
+        layer.compile(fullgraph=True, backend=backend)
+    return model
+
+
+def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpointing: str | None = None,
+         tiled_mlp=None, head_groups=None, backend: str = "inductor"):
+    """``checkpointing``: None, "keep" (the recompute reuses the ring's outputs) or "replay";
+    ``backend``: inductor, or aot_eager (dynamo and AOT autograd as inductor gets them, the
+    graphs then run eagerly: the same tracing, fake implementations and partitioning, without
+    inductor's code generation, which takes most of a compile's seconds)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world, ulysses_size=ulysses)
+    batch = make_batch(2, 16 * world, kind, left_pad=family not in EAGER)
+    base, refs = references(family, batch)
+    model = copy.deepcopy(base)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = ringseq.patch(model, sp=sp, keep_ring_outputs=checkpointing != "replay", tiled_mlp=tiled_mlp,
+                          head_groups=head_groups)
+    run = _compile(model, how, backend)
+    run(**make_batch(2, 16 * world, kind, seed=1, left_pad=family not in EAGER)).loss.backward()
+    graphs = counters["stats"]["unique_graphs"]
+    model.zero_grad(set_to_none=True)
+    loss = run(**batch).loss
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+    where = (f"{family} compiled ({how}, {backend}) {kind} ulysses {ulysses} checkpointing {checkpointing} "
+             f"rank {sp.rank}/{world}")
+    # ringseq adds none; gpt-oss's own experts (transformers' eager MoE routing) break on nonzero unpatched too
+    breaks = [reason for reason in counters["graph_break"] if family != "gpt_oss" or "aten.nonzero" not in reason]
+    assert not breaks, f"{where}: graph breaks: {breaks}"
+    assert graphs >= 1 or how == "eager", f"{where}: nothing was compiled"
+    assert counters["stats"]["unique_graphs"] == graphs, f"{where}: the second step compiled again"
+    check_against(refs, loss, grads, sp, where)
+    ringseq.unpatch(model)
+    return graphs
+
+
+def op_against_eager(ulysses: int, mask: str):
+    """``ringseq::ring_attention`` (the op the compiled graph calls, here run eagerly through its
+    registered autograd) against the eager ``ring_attention`` on the same batch: outputs and the
+    gradients of q, k, v and sinks equal to the last bit (the op runs the eager ring). GQA with
+    fewer kv heads than Ulysses ranks (kv copies), sinks sliced per Ulysses rank, a window and a
+    softcap: every autograd step the eager ring takes inside the op. Then the refusals: a batch
+    that is gone, a backward whose forward's graph was forgotten."""
+    from ringseq.attention import compiled
+    from ringseq.batch import sharded
+    from ringseq.testing import assert_refused
+
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world, ulysses_size=ulysses)
+    S, H = 24 * world, 4
+    full = {"input_ids": torch.zeros(2, S, dtype=torch.long)}
+    if mask == "packed":
+        full["position_ids"] = torch.cat([torch.arange(S // 3), torch.arange(S - S // 3)]).expand(2, S)
+    if mask == "padded":
+        full["attention_mask"] = torch.ones(2, S, dtype=torch.long)
+        full["attention_mask"][0, S - S // 4:] = 0
+    _, batch = sharded(full, sp=sp)
+    s = S // world
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, h, s, 16, generator=g, requires_grad=True) for h in (H, 1, 1))
+    sinks = torch.randn(H, generator=g, requires_grad=True)
+    kw = dict(scale=0.2, window=S // 2, softcap=4.0, sinks=sinks)
+    torch.manual_seed(2)
+    dout = torch.randn(2, H, s, 16)
+    out = ringseq.ring_attention(q, k, v, sp=sp, token_info=batch.info, **kw)
+    out.backward(dout)
+    eager = [out.detach()] + [t.grad.clone() for t in (q, k, v, sinks)]
+    for t in (q, k, v, sinks):
+        t.grad = None
+    out = compiled.attend(q, k, v, batch=batch, **kw)
+    out.backward(dout)
+    where = f"op ulysses {ulysses} {mask} rank {sp.rank}/{world}"
+    got = [out.detach()] + [t.grad for t in (q, k, v, sinks)]
+    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), eager, got):
+        assert torch.equal(a, b), f"{where}: {name} differs from the eager ring by {(a - b).abs().max():.3e}"
+    assert not compiled._pending, f"{where}: the backward left {len(compiled._pending)} kept graphs"
+
+    key = batch.key
+    del batch, _
+    assert_refused(lambda: compiled.attend(q, k, v, batch=type("Gone", (), {"key": key})(), **kw), "which is gone")
+    _, batch = sharded(full, sp=sp)
+    out = compiled.attend(q, k, v, batch=batch, **kw)
+    with torch.no_grad():  # keeps no graph
+        compiled.attend(q, k, v, batch=sharded(full, sp=sp)[1], **kw)
+    plain = {**kw, "sinks": sinks.detach()}
+    compiled.attend(q.detach(), k.detach(), v.detach(), batch=batch, **plain)  # nothing to differentiate: no graph
+    assert len(compiled._pending) == 1, f"{where}: {len(compiled._pending)} graphs kept, not 1"
+    later = [sharded(full, sp=sp)[1] for _ in range(compiled.KEEP_BATCHES)]
+    outs = [compiled.attend(q, k, v, batch=b, **kw) for b in later]  # the first batch's graph is forgotten
+    assert len(compiled._pending) == compiled.KEEP_BATCHES
+    assert_refused(lambda: out.backward(dout), "found its forward's graph gone")
+    sum(outs).backward(dout)
+    assert not compiled._pending
+    return where

@@ -1,0 +1,45 @@
+"""Patched models under torch.compile (cases_compiled.py): the ring as one custom op per attention
+layer (``ringseq.attention.compiled``). Every compiled path against the unpatched eager model by
+the 2x rule, with no graph break ringseq adds and no recompile on a second batch of the same shape;
+the op against the eager ring to the last bit; checkpointing under compile refused by name.
+Inductor compiles take tens of seconds here, so the cases are few and each covers much, and the
+cases that are about ringseq's features rather than inductor run under aot_eager (the same
+tracing and autograd partitioning, the graphs then run eagerly)."""
+import pytest
+
+from . import cases_compiled
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.mark.parametrize("ulysses,mask", [(1, "packed"), (2, "padded")])
+def test_the_op_is_the_eager_ring(pool2, pool4, ulysses, mask):
+    pool2.run(cases_compiled.op_against_eager, ulysses, mask)
+    pool4.run(cases_compiled.op_against_eager, ulysses, mask)
+
+
+def test_the_whole_model_compiled(pool2, pool4):
+    """torch.compile(model) on packed documents (world 2, inductor) and model.compile() on padding
+    (world 4)."""
+    pool2.run(cases_compiled.step, "llama", "model", "packed")
+    pool4.run(cases_compiled.step, "llama", "method", "padded", backend="aot_eager")
+
+
+def test_each_layer_compiled_with_fullgraph(pool2, pool4):
+    """torchtitan's way: every decoder layer compiled alone with fullgraph=True. Gemma 2 (softcap,
+    alternating windows, padding), GQA Llama under Ulysses 2 x ring 2 with head groups, Mistral's
+    window over packed documents with tiled MLP."""
+    pool2.run(cases_compiled.step, "gemma2", "layers", "padded")
+    pool4.run(cases_compiled.step, "llama", "layers", "packed", 2, None, None, "kv")
+    pool4.run(cases_compiled.step, "mistral", "layers", "packed", 1, None, True, backend="aot_eager")
+
+
+def test_sinks_and_experts_compiled(pool4):
+    """gpt-oss (sinks, MoE, alternating windows) under Ulysses 2: its experts break the graph on
+    their own (unpatched too); ringseq adds no break."""
+    pool4.run(cases_compiled.step, "gpt_oss", "model", "padded", 2, backend="aot_eager")
+
+
+def test_checkpointing_under_compile_is_refused(pool2):
+    with pytest.raises(AssertionError, match="under activation checkpointing recomputes its ring_attention"):
+        pool2.run(cases_compiled.step, "llama", "layers", "plain", 1, "keep")
