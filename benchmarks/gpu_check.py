@@ -20,7 +20,12 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
                  failure); the default choice must take everything.
 (4) ``model``    a patched tiny Llama (packed documents) training step: loss and gradients against
                  the unpatched model in the same dtype and in float64.
-(5) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
+(5) ``compiled`` the patched tiny Llama of (4) with every decoder layer compiled (``fullgraph=True``):
+                 inductor's default, max-autotune without CUDA graphs and reduce-overhead (CUDA graphs;
+                 the ring op is tagged ``cudagraph_unsafe``, so inductor leaves it out of them) on CUDA,
+                 the default on the CPU: loss and gradients against the unpatched eager model, graph
+                 breaks, and the step time against the eager patched model's (docs/compile.md).
+(6) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
                  of a patched tiny Llama against the unpatched model's (on the CPU: skipped, the tests
                  run it at 2 and 4 processes).
 
@@ -196,6 +201,21 @@ def _world_of_one():
     return ringseq.init(sp_size=1)
 
 
+def _tiny_llama(args):
+    """(4) and (5)'s model and batch: S, a tiny Llama's config, its weights, a row of S tokens packed
+    from documents."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    S = 2048 if args.device == "cuda" else 256
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
+    base = LlamaForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, S), generator=g)
+    return S, config, base, {"input_ids": ids, "labels": ids, "position_ids": positions(1, S, g)}
+
+
 def check_model(args, rows):
     """(4) a patched tiny Llama step (packed documents) against the unpatched one."""
     try:
@@ -204,14 +224,7 @@ def check_model(args, rows):
         _record(rows, check="model", ok=True, skipped="transformers is not installed")
         return
     sp = _world_of_one()
-    S = 2048 if args.device == "cuda" else 256
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, use_cache=False, attn_implementation="sdpa")
-    base = LlamaForCausalLM(config)
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (1, S), generator=g)
-    batch = {"input_ids": ids, "labels": ids, "position_ids": positions(1, S, g)}
+    S, config, base, batch = _tiny_llama(args)
 
     def step(dtype, patched):
         model = LlamaForCausalLM(copy.deepcopy(config)).to(args.device, dtype)  # patch() edits its config
@@ -234,8 +247,79 @@ def check_model(args, rows):
         _record(rows, **row, ok=False, error=str(exc)[:300])
 
 
+def check_compiled(args, rows):
+    """(5) the patched tiny Llama's step with its decoder layers compiled, each mode, against the
+    unpatched eager model (same dtype and float64); its time against the eager patched step's."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        _record(rows, check="compiled", ok=True, skipped="transformers is not installed")
+        return
+    from torch._dynamo.utils import counters
+
+    sp = _world_of_one()
+    S, config, base, batch = _tiny_llama(args)
+    batch = {n: t.to(args.device) for n, t in batch.items()}
+    dtype = torch.bfloat16
+
+    def model_of(dtype, patched, mode=None):
+        model = LlamaForCausalLM(copy.deepcopy(config)).to(args.device, dtype)
+        model.load_state_dict(base.state_dict())
+        if patched:
+            model = ringseq.patch(model, sp=sp)
+        if mode is not None:
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, mode=None if mode == "default" else mode)
+        return model
+
+    def step(model):
+        model.zero_grad(set_to_none=True)
+        loss = model(**batch).loss
+        loss.backward()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return loss.detach().float().cpu(), {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
+
+    def seconds(model):
+        best = float("inf")
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            step(model)
+            best = min(best, time.perf_counter() - start)
+        return best
+
+    plain_loss, plain_grads = step(model_of(dtype, False))
+    ref_loss, ref_grads = step(model_of(torch.float64, False))
+    eager = model_of(dtype, True)
+    step(eager)
+    eager_s = seconds(eager)
+    modes = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"] if args.device == "cuda" else ["default"]
+    for mode in modes:
+        if not args.time_left():
+            _record(rows, check="compiled", mode=mode, ok=True, skipped="out of time (--budget-s)")
+            continue
+        row = dict(check="compiled", model="tiny llama", S=S, device=args.device, dtype=str(dtype)[6:], mode=mode)
+        try:
+            torch._dynamo.reset()
+            counters.clear()
+            model = model_of(dtype, True, mode)
+            start = time.perf_counter()
+            step(model)  # the compile
+            first = time.perf_counter() - start
+            loss, grads = step(model)
+            breaks = sum(counters["graph_break"].values())
+            assert breaks == 0, f"{breaks} graph breaks: {dict(counters['graph_break'])}"
+            _check([tolerance.within(loss, plain_loss, ref_loss.double(), "loss"),
+                    *tolerance.by_layer(grads, plain_grads, ref_grads)])
+            _record(rows, **row, ok=True, first_step_s=round(first, 2), graphs=counters["stats"]["unique_graphs"],
+                    compiled_over_eager_speed=round(eager_s / seconds(model), 3))
+        except Exception as exc:  # an inductor failure is this row's finding, not the end of the check
+            _record(rows, **row, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
+    ringseq.unpatch(eager)
+
+
 def check_trainer_fsdp2(args, rows):
-    """(5) ringseq.Trainer under TrainingArguments(fsdp=True, fsdp_config={"version": 2}): Accelerate's FSDP2 on
+    """(6) ringseq.Trainer under TrainingArguments(fsdp=True, fsdp_config={"version": 2}): Accelerate's FSDP2 on
     the GPU (its units, DTensor parameters, the fused loss beside a sharded head, the engine check) for two
     SGD steps of a patched tiny Llama, against the same steps of the unpatched model in fp32 and float64."""
     row = dict(check="trainer_fsdp2", model="tiny llama", device=args.device)
@@ -288,7 +372,8 @@ def check_trainer_fsdp2(args, rows):
 
 CHECKS = {"ring": lambda args, rows: gpu_speed.check_ring(args, rows, _record),
           "blocks": lambda args, rows: gpu_speed.check_blocks(args, rows, _record),
-          "kernels": check_kernels, "model": check_model, "trainer_fsdp2": check_trainer_fsdp2}
+          "kernels": check_kernels, "model": check_model, "compiled": check_compiled,
+          "trainer_fsdp2": check_trainer_fsdp2}
 
 
 def main(argv=None) -> int:

@@ -78,7 +78,12 @@ def _optional(value, none):
     return None if value == none else value
 
 
-@torch.library.custom_op("ringseq::ring_attention", mutates_args=())
+# the ops talk to other processes and keep state on the host: a CUDA graph must never capture them
+# (inductor's CUDA graphs leave graphs with such an op out, or split them around it)
+_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+
+
+@torch.library.custom_op("ringseq::ring_attention", mutates_args=(), tags=_TAGS)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], batch: torch.Tensor,
              scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import ring_attention
@@ -126,7 +131,7 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty((), dtype=torch.long, device="cpu")
 
 
-@torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=())
+@torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=_TAGS)
 def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     pending = _pending.pop(int(call), None)

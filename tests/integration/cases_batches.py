@@ -143,19 +143,21 @@ def copies_of_a_patched_model():
     check_against(refs, *loss_and_grads(model, batch), sp, f"original rank {sp.rank}/{world}")
 
 
-def a_failure_after_the_last_transfer_reaches_every_rank_in_its_step(backward: bool = False, steps: int = 4):
+def a_failure_after_the_last_transfer_reaches_every_rank_in_its_step(backward: bool = False, steps: int = 4,
+                                                                     compiled: bool = False):
     """A training loop that catches errors and skips the step, on a patched model: at step 1 the last
     rank's block kernel runs out of memory in its very last compute of the step (the forward's last
     layer's last ring step, after its last transfer: its peers finish that layer; or the backward's).
     Every rank raises in step 1 (the failing rank its own MemoryError, its peers a RingSeqError naming
     it, the forward's at the loss's agreement), and every other step is the unpatched model's, with no
-    resync call."""
+    resync call. ``compiled``: the model under ``torch.compile`` (aot_eager), the ring in its op."""
     from ringseq.attention import ring
 
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
     base = tiny_model("llama")
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    run = torch.compile(model, backend="aot_eager") if compiled else model
     victim = sp.rank == world - 1
     original, computes, armed = ring._Schedule.compute, [], [False]
 
@@ -177,7 +179,7 @@ def a_failure_after_the_last_transfer_reaches_every_rank_in_its_step(backward: b
             armed[:] = [step == 1, outcome.get("computes", 0)]
             try:
                 model.zero_grad(set_to_none=True)
-                loss = model(**batch).loss
+                loss = run(**batch).loss
                 loss.backward()
                 outcome[step] = loss.detach()
             except (ringseq.RingSeqError, MemoryError) as exc:

@@ -31,11 +31,12 @@ def _compile(model, how: str, backend: str):
 
 
 def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpointing: str | None = None,
-         tiled_mlp=None, head_groups=None, backend: str = "inductor"):
+         tiled_mlp=None, head_groups=None, backend: str = "inductor", allowed: bool = False):
     """``checkpointing``: None, "keep" (the recompute reuses the ring's outputs) or "replay";
     ``backend``: inductor, or aot_eager (dynamo and AOT autograd as inductor gets them, the
     graphs then run eagerly: the same tracing, fake implementations and partitioning, without
-    inductor's code generation, which takes most of a compile's seconds)."""
+    inductor's code generation, which takes most of a compile's seconds); ``allowed``: graph breaks
+    allowed (a family whose recurrent layers dynamo traces in pieces)."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -59,10 +60,10 @@ def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpoin
     where = (f"{family} compiled ({how}, {backend}) {kind} ulysses {ulysses} checkpointing {checkpointing} "
              f"rank {sp.rank}/{world}")
     # ringseq adds none; gpt-oss's own experts (transformers' eager MoE routing) break on nonzero unpatched too
-    breaks = [reason for reason in counters["graph_break"] if family != "gpt_oss" or "aten.nonzero" not in reason]
-    assert not breaks, f"{where}: graph breaks: {breaks}"
+    found = [reason for reason in counters["graph_break"] if family != "gpt_oss" or "aten.nonzero" not in reason]
+    assert allowed or not found, f"{where}: graph breaks: {found}"
     assert graphs >= 1 or how == "eager", f"{where}: nothing was compiled"
-    assert counters["stats"]["unique_graphs"] == graphs, f"{where}: the second step compiled again"
+    assert allowed or counters["stats"]["unique_graphs"] == graphs, f"{where}: the second step compiled again"
     check_against(refs, loss, grads, sp, where)
     ringseq.unpatch(model)
     return graphs

@@ -87,15 +87,22 @@ def _reference(model, dp: int, S: int, autocast: bool):
     return grads, norm, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def step(kind: str, autocast: bool):
-    """One training step of the patched model under ``kind`` against the unpatched references."""
+def step(kind: str, autocast: bool, compiled: bool = False):
+    """One training step of the patched model under ``kind`` against the unpatched references;
+    ``compiled``: every decoder layer compiled first (``fullgraph=True``, aot_eager), then wrapped
+    (torchtitan's order: compile, then FSDP2)."""
     sp = topology(kind)
     S = 16 * sp.size
     model = tiny_llama()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = _reference(model, sp.dp_size, S, autocast)
     exact = _reference(copy.deepcopy(model).double(), sp.dp_size, S, False)
-    wrapper = wrap(kind, ringseq.patch(model, sp=sp), sp)
+    patched = ringseq.patch(model, sp=sp)
+    if compiled:
+        torch._dynamo.reset()
+        for layer in patched.model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager")
+    wrapper = wrap(kind, patched, sp)
     params = list(wrapper.parameters())
     optimizer = torch.optim.SGD(params, lr=1.0)
     with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext():
@@ -104,7 +111,8 @@ def step(kind: str, autocast: bool):
         for p in params:
             dist.all_reduce(p.grad)
             p.grad /= dist.get_world_size()
-    what = f"{kind}{' bf16 autocast' if autocast else ''} dp {sp.dp_size} x sp {sp.size} rank {dist.get_rank()}"
+    what = (f"{kind}{' bf16 autocast' if autocast else ''}{' compiled' if compiled else ''} dp {sp.dp_size} x sp "
+            f"{sp.size} rank {dist.get_rank()}")
     assert_named_close(_named(model, wrapper, kind, grads=True), plain[0], exact[0], f"{what}: gradients")
     if kind == "fsdp1":
         norm = wrapper.clip_grad_norm_(MAX_NORM)

@@ -140,7 +140,7 @@ def test_gpu_check_runs_its_cpu_part():
     assert summary["summary"] and summary["failures"] == 0 and summary["checks"] == len(rows)
     # the FSDP2 Trainer row needs a GPU in one process (its CPU runs are tests/integration/test_trainer.py's)
     assert all(r["ok"] for r in rows) and [r["check"] for r in rows if r.get("skipped")] == ["trainer_fsdp2"]
-    assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model", "trainer_fsdp2"}
+    assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model", "compiled", "trainer_fsdp2"}
     kernels = [r for r in rows if r["check"] == "kernels" and "layout" not in r]
     assert {r["kernel"] for r in kernels} == {"cpu_flash", "flex", "torch", "auto"}
     assert {r["feature"] for r in kernels} == {"dense causal", "documents", "padding", "window", "softcap", "sinks", "GQA"}
@@ -221,3 +221,15 @@ def test_balance_benchmark_times_the_steps(tmp_path):
     assert all(r["step_ms"] > 0 and r["work_max_over_mean"] >= 1.0 for r in steps)
     assert all(r["step_over_zigzag"] == 1.0 for r in steps if r["layout"] == "zigzag")
     assert (tmp_path / "balance_step.jsonl").exists()
+
+
+@pytest.mark.slow  # six inductor compiles in three process trees (about 2 minutes); exactness: test_compiled.py
+def test_compiled_benchmark(tmp_path):
+    records = bench("compiled.py", "--n", "256", "--sizes", "2", "--reps", "1", "--rows", "2", out=tmp_path)
+    speed = [r for r in records if "tokens_per_s" in r]
+    assert [(r["system"], r["mode"]) for r in speed] == [(s, m) for s in ("unpatched", "ringseq")
+                                                         for m in ("eager", "layers", "model")]
+    assert all(r["tokens_per_s"] > 0 and r["graph_breaks"] == 0 and r["loss_vs_eager"] < 1e-4 for r in speed)
+    lengths = [r for r in records if "graphs_after_each_row" in r]
+    assert len(lengths) == 4 and all(r["graph_breaks"] == 0 and r["graphs_after_each_row"][-1] <= 2 for r in lengths)
+    assert (tmp_path / "compiled.png").exists() and (tmp_path / "compiled.jsonl").exists()

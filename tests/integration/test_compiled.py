@@ -7,7 +7,7 @@ cases that are about ringseq's features rather than inductor run under aot_eager
 tracing and autograd partitioning, the graphs then run eagerly)."""
 import pytest
 
-from . import cases_compiled
+from . import cases_batches, cases_compiled
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -38,6 +38,21 @@ def test_sinks_and_experts_compiled(pool4):
     """gpt-oss (sinks, MoE, alternating windows) under Ulysses 2: its experts break the graph on
     their own (unpatched too); ringseq adds no break."""
     pool4.run(cases_compiled.step, "gpt_oss", "model", "padded", 2, backend="aot_eager")
+
+
+def test_a_hybrid_compiled_whole(pool2):
+    """LFM2 (short convolutions beside attention) under torch.compile(model): exact. Its recurrent
+    layers' state passing is still Python that dynamo traces in pieces (graph breaks: not yet ops)."""
+    pool2.run(cases_compiled.step, "lfm2", "model", "padded", backend="aot_eager", allowed=True)
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
+def test_a_failure_inside_the_compiled_ring_reaches_every_rank(pool4, backward):
+    """The last rank's kernel fails after the ring's last transfer, in a compiled model's step: every
+    rank raises in that step (its own error, or a RingSeqError naming it), the loop skips it and the
+    next steps are the unpatched model's."""
+    pool4.run(cases_batches.a_failure_after_the_last_transfer_reaches_every_rank_in_its_step, backward,
+              compiled=True)
 
 
 def test_checkpointing_under_compile_is_refused(pool2):
