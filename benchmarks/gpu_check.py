@@ -24,7 +24,8 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
                  inductor's default, max-autotune without CUDA graphs and reduce-overhead (CUDA graphs;
                  the ring op is tagged ``cudagraph_unsafe``, so inductor leaves it out of them) on CUDA,
                  the default on the CPU: loss and gradients against the unpatched eager model, graph
-                 breaks, and the step time against the eager patched model's (docs/compile.md).
+                 breaks, and the step time against the eager patched model's (docs/compile.md); on the
+                 CPU aot_eager only (the row's own code, in seconds; inductor's: benchmarks/compiled.py).
 (6) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
                  of a patched tiny Llama against the unpatched model's (on the CPU: skipped, the tests
                  run it at 2 and 4 processes).
@@ -267,7 +268,10 @@ def check_compiled(args, rows):
         model.load_state_dict(base.state_dict())
         if patched:
             model = ringseq.patch(model, sp=sp)
-        if mode is not None:
+        if mode == "aot_eager":
+            for layer in model.model.layers:
+                layer.compile(fullgraph=True, backend="aot_eager")
+        elif mode is not None:
             for layer in model.model.layers:
                 layer.compile(fullgraph=True, mode=None if mode == "default" else mode)
         return model
@@ -293,7 +297,8 @@ def check_compiled(args, rows):
     eager = model_of(dtype, True)
     step(eager)
     eager_s = seconds(eager)
-    modes = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"] if args.device == "cuda" else ["default"]
+    # off CUDA the row checks its own code under aot_eager (dynamo and AOT autograd, no inductor: seconds)
+    modes = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"] if args.device == "cuda" else ["aot_eager"]
     for mode in modes:
         if not args.time_left():
             _record(rows, check="compiled", mode=mode, ok=True, skipped="out of time (--budget-s)")

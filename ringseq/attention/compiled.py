@@ -11,14 +11,17 @@ What a call needs of its batch (documents, padding, the batch's layout, the sequ
 head groups) reaches the op as a 0-d int64 tensor naming the batch (``ShardedBatch.key``,
 ``register_batch``): a graph input, so a new batch of the same shape is no recompile, and
 nothing batch-dependent is a constant of the graph. The forward keeps its eager autograd graph
-(the ring's saved q, k, v, output and log-sum-exp, as eager autograd would) under a number it
-returns as a second 0-d tensor; the backward op takes that graph back by the number and runs it.
+(the ring's saved q, k, v, output and log-sum-exp, as eager autograd would; q, k and v copied, so
+that the compiled graph may reuse its own buffers) under a number it returns as a second 0-d
+tensor; the backward op takes that graph back by the number and runs it. A forward whose backward
+never runs (a loss dropped with grad enabled) is forgotten after ``KEEP_BATCHES`` newer batches; a
+backward later than that is refused by name.
 
-Activation checkpointing (``ringseq.attention.keep``): a checkpointed layer's first forward
-keeps no graph (its outputs are recomputed in the backward); the recompute keeps one, from the
-ring outputs the first forward kept (or from a replayed ring with ``keep_ring_outputs=False``).
-A forward whose backward never runs (a loss dropped with grad enabled) is forgotten after
-``KEEP_BATCHES`` newer batches; a backward later than that is refused by name.
+Activation checkpointing under compile (``ringseq.attention.keep.save_ring``): the ring op's outputs are
+saved, the rest of the layer recomputed, so the op never runs in a backward; a recompute that
+would run it (torch's checkpoint without the policy) is refused. An eager checkpoint around a
+compiled layer (``ringseq.attention.keep``) keeps the ring's outputs as eagerly: its first forward
+keeps no graph, its recompute keeps one from the kept outputs.
 """
 from __future__ import annotations
 
@@ -88,21 +91,26 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[
              scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import ring_attention
 
-    if torch._C._current_graph_task_id() != -1:  # run by a backward: activation checkpointing's recompute
+    kept = keep.current()  # an eager checkpoint around the compiled layer (``keep``), if any
+    if torch._C._current_graph_task_id() != -1 and kept is None:  # a compiled checkpoint's recompute
         raise RingSeqError("a compiled layer under activation checkpointing recomputes its ring_attention in the "
-                           "backward, which ringseq does not support under torch.compile yet (the compiled "
-                           "recompute cannot reuse the ring's outputs): compile without gradient / activation "
-                           "checkpointing, or checkpoint without compiling")
+                           "backward, which ringseq does not do (the ring would run again, its batch gone): "
+                           "checkpoint through transformers (gradient_checkpointing=True / "
+                           "gradient_checkpointing_enable(), which ringseq makes save the ring's outputs), or "
+                           "pass torch.utils.checkpoint a policy that saves them: context_fn=functools.partial("
+                           "create_selective_checkpoint_contexts, ringseq.attention.keep.save_ring)")
     number = int(batch)
     found = _batches.get(number)
     if found is None:
         raise RingSeqError(f"a compiled ring_attention call names batch {number}, which is gone: the compiled "
                            f"attention reads its batch from the patched forward (or ringseq.shard_batch's "
                            f"local['ringseq']), which must stay alive while its layers run")
-    kept = keep.current()
     retain = train and not (kept is not None and not kept.replaying)  # a checkpointed first forward: recomputed
     with _autograd(), torch.set_grad_enabled(retain):
-        leaves = tuple(None if t is None else t.detach().requires_grad_(retain) for t in (q, k, v, sinks))
+        # the kept graph owns copies of its inputs: the compiled graph may reuse their memory once
+        # they are dead in it (under selective checkpointing they are recomputed, not saved)
+        leaves = tuple(None if t is None else (t.detach().clone() if retain and t is not sinks else t.detach())
+                       .requires_grad_(retain) for t in (q, k, v, sinks))
         out = ring_attention(*leaves[:3], sp=found.sp, causal=True, scale=_optional(scale, -1.0),
                              window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=leaves[3],
                              token_info=found.info, head_groups=found.head_groups)
@@ -132,18 +140,18 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train):
 
 
 @torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=_TAGS)
-def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     pending = _pending.pop(int(call), None)
     if pending is None:
         raise RingSeqError(f"the backward of a compiled ring_attention call found its forward's graph gone: ringseq "
-                           f"keeps it for the {KEEP_BATCHES} latest batches (or it ran already, or its forward "
-                           f"was a checkpointed layer's first run, which the recompute replaces). Run each "
-                           f"batch's backward before {KEEP_BATCHES} more batches go forward")
+                           f"keeps it for the {KEEP_BATCHES} latest batches (or it ran already). Run each batch's "
+                           f"backward before {KEEP_BATCHES} more batches go forward")
     with _autograd():
         grads = torch.autograd.grad(pending.out, pending.leaves, dout, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else _like(g, t) for g, t in zip(grads, pending.leaves)]
-    seen = {t.untyped_storage().data_ptr() for t in (dout, q, k, v, sinks) if t is not None}
+    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, pending.leaves)]
+    grads = [g.contiguous() for g in grads[:3]] + grads[3:]  # as the fake implementation promises
+    seen = {t.untyped_storage().data_ptr() for t in (dout, sinks) if t is not None}
     for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
         if g.untyped_storage().data_ptr() in seen:
             grads[i] = g = g.clone()
@@ -153,31 +161,26 @@ def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.
     return tuple(grads)
 
 
-def _like(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """``grad`` in ``t``'s strides (what the fake implementation promises: ``empty_like``)."""
-    return grad if grad.stride() == t.stride() else torch.empty_like(t).copy_(grad)
-
-
 @_backward.register_fake
-def _(dout, call, q, k, v, sinks):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+def _(dout, call, q_shape, k_shape, v_shape, sinks):
+    return (dout.new_empty(q_shape), dout.new_empty(k_shape), dout.new_empty(v_shape),
             dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
 
 
 def _setup(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
     ctx.sinks = sinks is not None
-    ctx.save_for_backward(output[1], q, k, v, sinks)
+    ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))  # q, k and v themselves are not kept here
+    ctx.save_for_backward(output[1], sinks)
 
 
 def _gradients(ctx, dout, _call):
-    call, q, k, v, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, q, k, v, sinks)
+    call, sinks = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, *ctx.shapes, sinks)
     return dq, dk, dv, dsinks if ctx.sinks else None, None, None, None, None, None
 
 
 torch.library.register_autograd("ringseq::ring_attention", _gradients, setup_context=_setup)
-
 
 
 def attend(q, k, v, *, batch, scale=None, window=None, softcap=None, sinks=None) -> torch.Tensor:

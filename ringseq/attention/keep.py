@@ -8,6 +8,9 @@ ring call's output and log-sum-exp ([B,H,s,D] and [B,H,s]: the size of q) into t
 recompute takes them back in the same order and the ring autograd function is rebuilt around
 them, making no transfer and no block compute (its backward is the ring backward as always).
 
+Under ``torch.compile`` a checkpointed layer is torch's selective checkpointing instead
+(``compiled_checkpoint``, ``save_ring``): the compiled ring op's outputs saved, the rest recomputed.
+
 With ``offload=True`` the checkpointed layer's saved inputs go to host memory
 (``torch.autograd.graph.save_on_cpu``, pinned when a GPU is present) and so do the kept ring
 outputs (``Kept(offload=True)``). On a CPU-only machine this is a no-op copy that saves nothing.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 
 import torch
 
@@ -77,6 +81,27 @@ def current() -> Kept | None:
     return _current.get()
 
 
+def save_ring(ctx, op, *args, **kwargs):
+    """A selective checkpointing policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
+    that saves the compiled ring op's outputs (``ringseq.attention.compiled``) and recomputes
+    everything else: what ringseq's checkpointed layers run under ``torch.compile`` (the ring is
+    never run again in the backward)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op is torch.ops.ringseq.ring_attention.default:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def compiled_checkpoint(function, *args, **kwargs):
+    """A checkpointed layer as dynamo traces it: torch's non-reentrant checkpoint under ``save_ring``."""
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    kwargs = {k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn")}
+    return checkpoint(function, *args, use_reentrant=False,
+                      context_fn=functools.partial(create_selective_checkpoint_contexts, save_ring), **kwargs)
+
+
 def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool = True):
     """Wrap a checkpoint function (``torch.utils.checkpoint.checkpoint`` or a partial of it, as
     transformers sets on each layer) so the ring attention inside is never replayed.
@@ -87,8 +112,8 @@ def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool 
         return checkpoint_fn
 
     def checkpoint(function, *args, **kwargs):
-        if torch.compiler.is_compiling():  # traced by dynamo: the ring op refuses its recompute (``compiled``)
-            return checkpoint_fn(function, *args, **kwargs)
+        if torch.compiler.is_compiling():  # traced by dynamo: the ring op's outputs saved, the rest recomputed
+            return compiled_checkpoint(function, *args, **kwargs)
         kept = Kept(offload=offload, record=keep)  # not recording: the runs are still told apart (``compiled``)
 
         def run(*a, **k):

@@ -127,3 +127,67 @@ def op_against_eager(ulysses: int, mask: str):
     sum(outs).backward(dout)
     assert not compiled._pending
     return where
+
+
+def wrapped_checkpointing(policy: bool):
+    """torchtitan's order: every decoder layer wrapped by torch's ``checkpoint_wrapper``, then compiled
+    (fullgraph, aot_eager). With ringseq's policy (``context_fn``: the ring op's outputs saved) the
+    step is the unpatched model's; without it the compiled backward would run the ring again, which
+    the op refuses by name at the first backward, on every rank."""
+    from functools import partial
+
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    from ringseq.attention import compiled, keep
+    from ringseq.testing import assert_refused
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    batch = make_batch(2, 16 * world, "packed")
+    base, refs = references("llama", batch)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    extra = {"context_fn": partial(create_selective_checkpoint_contexts, keep.save_ring)} if policy else {}
+    layers = model.model.layers
+    for i in range(len(layers)):
+        layers[i] = checkpoint_wrapper(layers[i], **extra)
+        layers[i].compile(fullgraph=True, backend="aot_eager")
+    where = f"checkpoint_wrapper {'with' if policy else 'without'} ringseq's policy, rank {sp.rank}/{world}"
+    if not policy:
+        loss = model(**batch).loss
+        assert_refused(loss.backward, "recomputes its ring_attention in the backward")
+        compiled._pending.clear()  # the refused step's graphs (a loop would go on; here the case ends)
+        return where
+    loss = model(**batch).loss
+    loss.backward()
+    grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
+    check_against(refs, loss.detach(), grads, sp, where)
+    return where
+
+
+def vlm_layers(family: str):
+    """A vision-language model with its language model's decoder layers compiled (fullgraph,
+    aot_eager): the multimodal part runs eagerly on the full batch (ringseq's vision path), the
+    language layers sharded, compiled, exact against the unpatched model (every parameter's
+    gradient, the vision tower's included); no graph break."""
+    from torch._dynamo.utils import counters
+
+    from .cases_vlm import vlm_references
+    from .vlm_models import make_batch as vlm_batch
+
+    torch._dynamo.reset()
+    counters.clear()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    batch = vlm_batch(family, 2, 32 * world)
+    base, refs = vlm_references(family, batch)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    for layer in model.get_decoder().layers:
+        layer.compile(fullgraph=True, backend="aot_eager")
+    loss, grads = loss_and_grads(model, batch)
+    where = f"{family} language layers compiled, rank {sp.rank}/{world}"
+    assert counters["stats"]["unique_graphs"] >= 1 and not counters["graph_break"], (where, dict(counters["graph_break"]))
+    check_against(refs, loss, grads, sp, where)
+    ringseq.unpatch(model)
+    return where

@@ -57,7 +57,7 @@ def batch_for(replica: int, S: int) -> dict:
 
 
 CASE_KEYS = {"stage", "sp", "clip", "section", "config", "reduce_scatter", "extra", "checkpoint", "refuse", "resume_sp",
-             "memory", "engine", "batch", "autocast"}
+             "memory", "engine", "batch", "autocast", "compile"}
 
 
 def parse_case(text: str) -> dict:
@@ -131,6 +131,8 @@ def run_case(case: dict) -> str:
     if case.get("batch"):
         assert engine.gradient_accumulation_steps() == int(case["batch"]) // 2, engine.gradient_accumulation_steps()
         return f"train_batch_size {int(case['batch']) * dp}: {engine.gradient_accumulation_steps()} micro-batches"
+    if case.get("compile"):  # DeepSpeed's engine.compile(): model.compile() of the patched module (docs/compile.md)
+        engine.compile(backend="aot_eager")
     autocast = bool(case.get("autocast"))  # fp32 weights, the forward under torch's bf16 autocast
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss = engine(**batch_for(sp.dp_rank, S)).loss
@@ -141,6 +143,9 @@ def run_case(case: dict) -> str:
            f"rank {dist.get_rank()}"
     if case.get("memory"):
         what += " (checkpointing + tiled MLP)"
+    if case.get("compile"):
+        assert engine.is_compiled, what
+        what += " compiled"
     clip = engine.gradient_clipping()  # as DeepSpeed read it (a shipped config sets its own)
     plain = reference_step(reference, dp, S, clip, autocast)
     exact = reference_step(copy.deepcopy(reference).double(), dp, S, clip)

@@ -2,9 +2,10 @@
 layer (``ringseq.attention.compiled``). Every compiled path against the unpatched eager model by
 the 2x rule, with no graph break ringseq adds and no recompile on a second batch of the same shape;
 the op against the eager ring to the last bit; checkpointing under compile refused by name.
-Inductor compiles take tens of seconds here, so the cases are few and each covers much, and the
-cases that are about ringseq's features rather than inductor run under aot_eager (the same
-tracing and autograd partitioning, the graphs then run eagerly)."""
+Inductor compiles take tens of seconds here (its first in a process about 20 s, more when 4
+processes compile at once on 2 cores), so the cases are few and each covers much: inductor runs in
+the world-2 pool only, and the cases that are about ringseq's features rather than inductor run
+under aot_eager (the same tracing and autograd partitioning, the graphs then run eagerly)."""
 import pytest
 
 from . import cases_batches, cases_compiled
@@ -30,14 +31,20 @@ def test_each_layer_compiled_with_fullgraph(pool2, pool4):
     alternating windows, padding), GQA Llama under Ulysses 2 x ring 2 with head groups, Mistral's
     window over packed documents with tiled MLP."""
     pool2.run(cases_compiled.step, "gemma2", "layers", "padded")
-    pool4.run(cases_compiled.step, "llama", "layers", "packed", 2, None, None, "kv")
+    pool4.run(cases_compiled.step, "llama", "layers", "packed", 2, None, None, "kv", backend="aot_eager")
     pool4.run(cases_compiled.step, "mistral", "layers", "packed", 1, None, True, backend="aot_eager")
 
 
-def test_sinks_and_experts_compiled(pool4):
-    """gpt-oss (sinks, MoE, alternating windows) under Ulysses 2: its experts break the graph on
-    their own (unpatched too); ringseq adds no break."""
-    pool4.run(cases_compiled.step, "gpt_oss", "model", "padded", 2, backend="aot_eager")
+def test_sinks_and_experts_compiled(pool2):
+    """gpt-oss (sinks, MoE, alternating windows): its experts break the graph on their own (unpatched
+    too); ringseq adds no break. (Sinks under Ulysses: the op's test.)"""
+    pool2.run(cases_compiled.step, "gpt_oss", "model", "padded", backend="aot_eager")
+
+
+def test_a_vlms_language_layers_compiled(pool2):
+    """Gemma 3 (bidirectional image-token blocks in the ring's masks): its language model's layers
+    compiled with fullgraph, the multimodal part eager; exact, every parameter's gradient."""
+    pool2.run(cases_compiled.vlm_layers, "gemma3")
 
 
 def test_a_hybrid_compiled_whole(pool2):
@@ -55,6 +62,11 @@ def test_a_failure_inside_the_compiled_ring_reaches_every_rank(pool4, backward):
               compiled=True)
 
 
-def test_checkpointing_under_compile_is_refused(pool2):
-    with pytest.raises(AssertionError, match="under activation checkpointing recomputes its ring_attention"):
-        pool2.run(cases_compiled.step, "llama", "layers", "plain", 1, "keep")
+def test_checkpointed_layers_compiled(pool2, pool4):
+    """transformers' checkpointing under compile: the ring op's outputs saved, the rest recomputed
+    (keep_ring_outputs either way), per layer with inductor and whole; torchtitan's
+    checkpoint_wrapper with ringseq's policy; without it, refused at the first backward."""
+    pool2.run(cases_compiled.step, "llama", "layers", "plain", 1, "keep")
+    pool4.run(cases_compiled.step, "llama", "model", "packed", 1, "replay", backend="aot_eager")
+    pool2.run(cases_compiled.wrapped_checkpointing, True)
+    pool2.run(cases_compiled.wrapped_checkpointing, False)

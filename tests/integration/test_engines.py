@@ -32,10 +32,10 @@ def test_ddp_over_part_of_a_sequence_group_is_refused(pool4):
     pool4.run(cases_engines.refused, "ddp_half_group")
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2_mesh"])
-def test_compiled_layers_under_ddp_and_fsdp2(pool2, pool4, kind):
+def test_compiled_layers_under_ddp_and_fsdp2(pool2, pool4):
     """Every decoder layer compiled (fullgraph, the ring one op: docs/compile.md), then wrapped
-    (torchtitan's order for FSDP2): the same gradients, norm and step as eager."""
-    for pool in (pool2, pool4):
-        for autocast in (False, True):
-            pool.run(cases_engines.step, kind, autocast, True)
+    (torchtitan's order for FSDP2): the same gradients, norm and step as eager. DDP over 2 replicas,
+    FSDP2 in fp32 over 2 replicas and under bf16 autocast over one group."""
+    pool4.run(cases_engines.step, "ddp", False, True)
+    pool4.run(cases_engines.step, "fsdp2_mesh", False, True)
+    pool2.run(cases_engines.step, "fsdp2_mesh", True, True)

@@ -146,7 +146,8 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
                               train_sampling_strategy="sequential", logging_steps=1, report_to=[],
                               save_strategy="steps", save_steps=1, deepspeed=ds, use_cpu=True,
                               disable_tqdm=True, dataloader_drop_last=False, include_num_input_tokens_seen="all",
-                              gradient_checkpointing=case.checkpointing, torch_compile=case.compile, **extra)
+                              gradient_checkpointing=case.checkpointing, **extra,
+                              **({"torch_compile_backend": "aot_eager"} if case.compile else {}))
     # after TrainingArguments: under ZeRO-3 from_pretrained then builds the model partitioned; on CPU
     # TrainingArguments(use_cpu=True) does not start DeepSpeed's comm layer, which zero.Init needs
     if case.pretrained and case.stage is not None:
