@@ -18,8 +18,6 @@ from .hf_models import EAGER, check_against, loss_and_grads, make_batch, referen
 
 def _compile(model, how: str, backend: str):
     """``model`` as it is called after compiling it ``how`` with ``backend``."""
-    if how == "eager":
-        return model
     if how == "model":
         return torch.compile(model, backend=backend)
     if how == "method":
@@ -32,7 +30,8 @@ def _compile(model, how: str, backend: str):
 
 def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpointing: str | None = None,
          tiled_mlp=None, head_groups=None, backend: str = "inductor", allowed: bool = False):
-    """``checkpointing``: None, "keep" (the recompute reuses the ring's outputs) or "replay";
+    """``checkpointing``: None, or transformers' checkpointing with ``keep_ring_outputs`` True ("keep")
+    or False ("replay"; under compile both save the ring op's outputs: ``ringseq.attention.keep``);
     ``backend``: inductor, or aot_eager (dynamo and AOT autograd as inductor gets them, the
     graphs then run eagerly: the same tracing, fake implementations and partitioning, without
     inductor's code generation, which takes most of a compile's seconds); ``allowed``: graph breaks
@@ -62,7 +61,7 @@ def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpoin
     # ringseq adds none; gpt-oss's own experts (transformers' eager MoE routing) break on nonzero unpatched too
     found = [reason for reason in counters["graph_break"] if family != "gpt_oss" or "aten.nonzero" not in reason]
     assert allowed or not found, f"{where}: graph breaks: {found}"
-    assert graphs >= 1 or how == "eager", f"{where}: nothing was compiled"
+    assert graphs >= 1, f"{where}: nothing was compiled"
     assert allowed or counters["stats"]["unique_graphs"] == graphs, f"{where}: the second step compiled again"
     check_against(refs, loss, grads, sp, where)
     ringseq.unpatch(model)
