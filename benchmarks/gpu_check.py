@@ -202,11 +202,14 @@ def _world_of_one():
     return ringseq.init(sp_size=1)
 
 
-def _tiny_llama(args):
-    """(4) and (5)'s model and batch: S, a tiny Llama's config, its weights, a row of S tokens packed
-    from documents."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
+def _tiny_llama(args, rows, check: str):
+    """(4) and (5)'s world of one, model and batch: sp, S, a tiny Llama's config, its weights, a row
+    of S tokens packed from documents; None (the row recorded as skipped) without transformers."""
+    try:
+        from transformers import LlamaConfig, LlamaForCausalLM
+    except ImportError:
+        _record(rows, check=check, ok=True, skipped="transformers is not installed")
+        return None
     S = 2048 if args.device == "cuda" else 256
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
@@ -214,18 +217,16 @@ def _tiny_llama(args):
     base = LlamaForCausalLM(config)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (1, S), generator=g)
-    return S, config, base, {"input_ids": ids, "labels": ids, "position_ids": positions(1, S, g)}
+    return _world_of_one(), S, config, base, {"input_ids": ids, "labels": ids, "position_ids": positions(1, S, g)}
 
 
 def check_model(args, rows):
     """(4) a patched tiny Llama step (packed documents) against the unpatched one."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        _record(rows, check="model", ok=True, skipped="transformers is not installed")
+    made = _tiny_llama(args, rows, "model")
+    if made is None:
         return
-    sp = _world_of_one()
-    S, config, base, batch = _tiny_llama(args)
+    sp, S, config, base, batch = made
+    from transformers import LlamaForCausalLM
 
     def step(dtype, patched):
         model = LlamaForCausalLM(copy.deepcopy(config)).to(args.device, dtype)  # patch() edits its config
@@ -251,15 +252,13 @@ def check_model(args, rows):
 def check_compiled(args, rows):
     """(5) the patched tiny Llama's step with its decoder layers compiled, each mode, against the
     unpatched eager model (same dtype and float64); its time against the eager patched step's."""
-    try:
-        from transformers import LlamaConfig, LlamaForCausalLM
-    except ImportError:
-        _record(rows, check="compiled", ok=True, skipped="transformers is not installed")
+    made = _tiny_llama(args, rows, "compiled")
+    if made is None:
         return
+    sp, S, config, base, batch = made
     from torch._dynamo.utils import counters
+    from transformers import LlamaForCausalLM
 
-    sp = _world_of_one()
-    S, config, base, batch = _tiny_llama(args)
     batch = {n: t.to(args.device) for n, t in batch.items()}
     dtype = torch.bfloat16
 
