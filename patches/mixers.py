@@ -22,12 +22,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import sys
 import weakref
+
+import torch
 
 from ringseq import lockstep, recurrent
 from ringseq.errors import RingSeqError
 
+from . import compiled_mixers
 from .cache import DecodeStep
 
 # The mixers ringseq shards exactly (tested against the unpatched model in tests/integration),
@@ -118,18 +122,27 @@ _users: dict[str, weakref.WeakSet] = {}
 
 
 _IN_FORWARD = contextvars.ContextVar("ringseq_patched_forward", default=False)
+_forwards = 0
+"""Patched forwards running in this process: what compiled code reads (dynamo cannot read a ContextVar)."""
 
 
 @contextlib.contextmanager
 def patched_forward():
     """Inside a patched forward, a recurrent kernel called without ringseq's batch would mix this
     rank's tokens alone (a family that stopped handing its keyword arguments down): refused."""
+    global _forwards
     token = _IN_FORWARD.set(True)
+    _forwards += 1
     try:
         with lockstep.batched():  # its ring calls' failures reach the peers at the batch's agreements
             yield
     finally:
+        _forwards -= 1
         _IN_FORWARD.reset(token)
+
+
+def _in_forward() -> bool:
+    return _forwards > 0 if torch.compiler.is_compiling() else _IN_FORWARD.get()
 
 
 def _named(original, name: str):
@@ -146,22 +159,32 @@ def _named(original, name: str):
     return call
 
 
+_dispatchers = itertools.count(1)
+
+
 def _dispatcher(original, name: str):
     kernel = _named(original, name)
+    number = next(_dispatchers)
+    if name in compiled_mixers.KERNELS:  # under torch.compile: one op (``patches.compiled_mixers``)
+        compiled_mixers.register(number, name, lambda batch, **kw: SHARDED[name](kernel, batch, **kw))
 
     @functools.wraps(kernel)
     def dispatch(*args, ringseq=None, **kwargs):
         if isinstance(ringseq, DecodeStep):  # generation's decode: every rank steps the same states alike
             return original(*args, **kwargs)
         if ringseq is not None:
+            if torch.compiler.is_compiling() and name in compiled_mixers.KERNELS:
+                out = compiled_mixers.call(number, ringseq, args, kwargs)
+                if out is not NotImplemented:
+                    return out
             return SHARDED[name](kernel, ringseq, *args, **kwargs)
-        if _IN_FORWARD.get():
+        if _in_forward():
             raise RingSeqError(f"{name} was called inside a patched forward without ringseq's batch (the model no "
                                f"longer hands its keyword arguments to its recurrent kernels): it would mix this "
                                f"rank's tokens alone. This transformers release is not one ringseq supports here")
         return original(*args, **kwargs)
 
-    dispatch.ringseq_original = original
+    dispatch.ringseq_original, dispatch.ringseq_number = original, number
     return dispatch
 
 

@@ -48,7 +48,7 @@ _call_numbers = itertools.count(1)
 @dataclasses.dataclass
 class _Pending:
     batch: int
-    out: torch.Tensor
+    outs: tuple
     leaves: tuple
 
 
@@ -68,10 +68,12 @@ def register_batch(batch) -> torch.Tensor:
 @contextlib.contextmanager
 def _autograd():
     """Autograd on inside a custom op's implementation, which the dispatcher runs below autograd
-    (the eager ring builds and later runs its own graph there); autocast stays off."""
+    (the eager ring builds and later runs its own graph there); autocast stays off. ADInplaceOrView
+    too: without it a view or an in-place copy from a tensor that needs a gradient records no
+    history (the recurrent layers' halo, written into a buffer, lost its gradient: silently)."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     keys = torch._C.DispatchKey
-    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor):
+    for key in (keys.AutogradFunctionality, keys.AutogradOther, keys.AutogradNestedTensor, keys.ADInplaceOrView):
         exclude = exclude.remove(key)
     with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude):
         yield
@@ -91,21 +93,9 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[
              scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import ring_attention
 
-    kept = keep.current()  # an eager checkpoint around the compiled layer (``keep``), if any
-    if torch._C._current_graph_task_id() != -1 and kept is None:  # a compiled checkpoint's recompute
-        raise RingSeqError("a compiled layer under activation checkpointing recomputes its ring_attention in the "
-                           "backward, which ringseq does not do (the ring would run again, its batch gone): "
-                           "checkpoint through transformers (gradient_checkpointing=True / "
-                           "gradient_checkpointing_enable(), which ringseq makes save the ring's outputs), or "
-                           "pass torch.utils.checkpoint a policy that saves them: context_fn=functools.partial("
-                           "create_selective_checkpoint_contexts, ringseq.attention.keep.save_ring)")
-    number = int(batch)
-    found = _batches.get(number)
-    if found is None:
-        raise RingSeqError(f"a compiled ring_attention call names batch {number}, which is gone: the compiled "
-                           f"attention reads its batch from the patched forward (or ringseq.shard_batch's "
-                           f"local['ringseq']), which must stay alive while its layers run")
-    retain = train and not (kept is not None and not kept.replaying)  # a checkpointed first forward: recomputed
+    refuse_recompute("ring_attention")
+    found = batch_of(batch)
+    retain = keeps_graph(train)
     with _autograd(), torch.set_grad_enabled(retain):
         # the kept graph owns copies of its inputs: the compiled graph may reuse their memory once
         # they are dead in it (under selective checkpointing they are recomputed, not saved)
@@ -114,13 +104,67 @@ def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[
         out = ring_attention(*leaves[:3], sp=found.sp, causal=True, scale=_optional(scale, -1.0),
                              window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=leaves[3],
                              token_info=found.info, head_groups=found.head_groups)
-    call = 0
-    if retain:
-        call = next(_call_numbers)
-        _pending[call] = _Pending(number, out, tuple(t for t in leaves if t is not None))
-        _forget_old(number)
+    call = keep_graph(int(batch), (out,), tuple(t for t in leaves if t is not None)) if retain else 0
     # a copy: the compiled graph may reuse a dead output's memory, and the kept graph saved this one
     return out.detach().clone(memory_format=torch.contiguous_format), torch.tensor(call, dtype=torch.long)
+
+
+def batch_of(batch: torch.Tensor):
+    """The ``ShardedBatch`` a compiled op's 0-d ``batch`` tensor names (``register_batch``)."""
+    number = int(batch)
+    found = _batches.get(number)
+    if found is None:
+        raise RingSeqError(f"a compiled ringseq op names batch {number}, which is gone: the compiled layers read "
+                           f"their batch from the patched forward (or ringseq.shard_batch's local['ringseq']), "
+                           f"which must stay alive while its layers run")
+    return found
+
+
+def refuse_recompute(what: str) -> None:
+    """A compiled op run inside a backward without an eager checkpoint's store: torch's checkpoint
+    recomputing a compiled layer without ringseq's policy (``keep.save_ring``)."""
+    if torch._C._current_graph_task_id() != -1 and keep.current() is None:
+        raise RingSeqError(f"a compiled layer under activation checkpointing recomputes its {what} in the "
+                           "backward, which ringseq does not do (its exchanges would run again, its batch gone): "
+                           "checkpoint through transformers (gradient_checkpointing=True / "
+                           "gradient_checkpointing_enable(), which ringseq makes save the ring's outputs), or "
+                           "pass torch.utils.checkpoint a policy that saves them: context_fn=functools.partial("
+                           "create_selective_checkpoint_contexts, ringseq.attention.keep.save_ring)")
+
+
+def keeps_graph(train: bool) -> bool:
+    """Whether a compiled op's forward keeps its eager graph for a backward: in training, unless it
+    is the first forward of an eagerly checkpointed layer (recomputed before its backward)."""
+    kept = keep.current()
+    return train and not (kept is not None and not kept.replaying)
+
+
+def keep_graph(number: int, outs: tuple, leaves: tuple) -> int:
+    """Keep an op's eager autograd graph (``outs`` computed from ``leaves``) for its backward op,
+    under a new call number."""
+    call = next(_call_numbers)
+    _pending[call] = _Pending(number, outs, leaves)
+    _forget_old(number)
+    return call
+
+
+def gradients_of(call: int, douts) -> list:
+    """The kept graph ``call``'s gradients for its leaves (zeros where a leaf was unused), each
+    contiguous and aliasing neither ``douts`` nor another: an op's outputs may not alias."""
+    pending = _pending.pop(call, None)
+    if pending is None:
+        raise RingSeqError(f"the backward of a compiled ringseq op found its forward's graph gone: ringseq keeps it "
+                           f"for the {KEEP_BATCHES} latest batches (or it ran already). Run each batch's backward "
+                           f"before {KEEP_BATCHES} more batches go forward")
+    with _autograd():
+        grads = torch.autograd.grad(pending.outs, pending.leaves, douts, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, pending.leaves)]
+    seen = {t.untyped_storage().data_ptr() for t in douts}
+    for i, g in enumerate(grads):
+        if g.untyped_storage().data_ptr() in seen:
+            grads[i] = g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+    return grads
 
 
 def _forget_old(number: int) -> None:
@@ -142,20 +186,9 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train):
 @torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=_TAGS)
 def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    pending = _pending.pop(int(call), None)
-    if pending is None:
-        raise RingSeqError(f"the backward of a compiled ring_attention call found its forward's graph gone: ringseq "
-                           f"keeps it for the {KEEP_BATCHES} latest batches (or it ran already). Run each batch's "
-                           f"backward before {KEEP_BATCHES} more batches go forward")
-    with _autograd():
-        grads = torch.autograd.grad(pending.out, pending.leaves, dout, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g for g, t in zip(grads, pending.leaves)]
-    grads = [g.contiguous() for g in grads[:3]] + grads[3:]  # as the fake implementation promises
-    seen = {t.untyped_storage().data_ptr() for t in (dout, sinks) if t is not None}
-    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
-        if g.untyped_storage().data_ptr() in seen:
-            grads[i] = g = g.clone()
-        seen.add(g.untyped_storage().data_ptr())
+    grads = gradients_of(int(call), (dout,))
+    if sinks is not None and grads[3].untyped_storage().data_ptr() == sinks.untyped_storage().data_ptr():
+        grads[3] = grads[3].clone()  # an op's outputs may not alias its inputs
     if sinks is None:
         grads.append(dout.new_empty(0))
     return tuple(grads)

@@ -83,12 +83,13 @@ def current() -> Kept | None:
 
 def save_ring(ctx, op, *args, **kwargs):
     """A selective checkpointing policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
-    that saves the compiled ring op's outputs (``ringseq.attention.compiled``) and recomputes
-    everything else: what ringseq's checkpointed layers run under ``torch.compile`` (the ring is
-    never run again in the backward)."""
+    that saves the outputs of ringseq's compiled ops (the ring: ``ringseq.attention.compiled``; the
+    recurrent layers' sharded kernels: ``ringseq.patches.compiled_mixers``) and recomputes everything
+    else: what ringseq's checkpointed layers run under ``torch.compile`` (no exchange runs again in
+    the backward)."""
     from torch.utils.checkpoint import CheckpointPolicy
 
-    if op is torch.ops.ringseq.ring_attention.default:
+    if getattr(op, "namespace", None) == "ringseq":  # the ring, the recurrent layers' exchanges
         return CheckpointPolicy.MUST_SAVE
     return CheckpointPolicy.PREFER_RECOMPUTE
 

@@ -1,7 +1,9 @@
 """Patched models under torch.compile (cases_compiled.py): the ring as one custom op per attention
-layer (``ringseq.attention.compiled``). Every compiled path against the unpatched eager model by
-the 2x rule, with no graph break ringseq adds and no recompile on a second batch of the same shape;
-the op against the eager ring to the last bit; checkpointing under compile refused by name.
+layer (``ringseq.attention.compiled``), each recurrent layer's sharded kernel as another
+(``ringseq.patches.compiled_mixers``). Every compiled path against the unpatched eager model by
+the 2x rule on two steps (the compiling one and the next), with no graph break ringseq adds and no
+recompile on the second batch of the same shape; the ops against the eager paths to the last bit;
+checkpointing under compile without ringseq's policy refused by name.
 Inductor compiles take tens of seconds here (its first in a process about 20 s, more when 4
 processes compile at once on 2 cores), so the cases are few and each covers much: inductor runs in
 the world-2 pool only, and the cases that are about ringseq's features rather than inductor run
@@ -47,10 +49,21 @@ def test_a_vlms_language_layers_compiled(pool2):
     pool2.run(cases_compiled.vlm_layers, "gemma3")
 
 
-def test_a_hybrid_compiled_whole(pool2):
-    """LFM2 (short convolutions beside attention) under torch.compile(model): exact. Its recurrent
-    layers' state passing is still Python that dynamo traces in pieces (graph breaks: not yet ops)."""
-    pool2.run(cases_compiled.step, "lfm2", "model", "padded", backend="aot_eager", allowed=True)
+def test_the_recurrent_op_is_the_eager_path(pool2, pool4):
+    """``ringseq::recurrent`` against the eager sharded kernels, to the last bit: a gated delta rule,
+    Mamba2's scan and a causal convolution; outputs, gradients, a prefill's final state."""
+    pool2.run(cases_compiled.recurrent_op_against_eager)
+    pool4.run(cases_compiled.recurrent_op_against_eager)
+
+
+def test_hybrids_compiled(pool2, pool4):
+    """Hybrids, each recurrent layer's sharded kernel one op: Kimi Linear (KDA, MLA attention, MoE)
+    under torch.compile(model), packed; Bamba (Mamba2) layers with fullgraph under checkpointing
+    that saves the ops' outputs, padded; Qwen3.5 (gated DeltaNet) layers with fullgraph under
+    Ulysses 2 x ring 2, packed."""
+    pool2.run(cases_compiled.step, "kimi_linear", "model", "packed", backend="aot_eager")
+    pool2.run(cases_compiled.step, "bamba", "layers", "padded", 1, "replay", backend="aot_eager")
+    pool4.run(cases_compiled.step, "qwen3_5", "layers", "packed", 2, backend="aot_eager")
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
