@@ -103,6 +103,27 @@ def compiled_checkpoint(function, *args, **kwargs):
                       context_fn=functools.partial(create_selective_checkpoint_contexts, save_ring), **kwargs)
 
 
+OFFLOAD_COMPILED = ("offload=True (transformers' checkpoint offload, or fit's offload_activations) is not applied to "
+                    "compiled layers: torch.compile's saved activations do not go through the host-memory hooks, so "
+                    "the layers would keep them on the device. Compile without offload, or offload without compiling "
+                    "(gradient_checkpointing_kwargs={'offload': False}, or no torch.compile)")
+
+
+def _refusing(args: tuple, kwargs: dict, why: str):
+    """``args``, ``kwargs`` with their first tensor passed through ``ringseq::refused``: the compiled
+    layer raises ``RingSeqError(why)`` when it runs (dynamo would turn a raise while it traces into
+    an eager fallback that never reaches the user)."""
+    from .compiled import refused
+
+    args = list(args)
+    for where in (args, kwargs):
+        for key in (range(len(where)) if where is args else list(where)):
+            if isinstance(where[key], torch.Tensor):
+                where[key] = refused(where[key], why)
+                return tuple(args), kwargs
+    raise RingSeqError(why)
+
+
 def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool = True):
     """Wrap a checkpoint function (``torch.utils.checkpoint.checkpoint`` or a partial of it, as
     transformers sets on each layer) so the ring attention inside is never replayed.
@@ -114,6 +135,8 @@ def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool 
 
     def checkpoint(function, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by dynamo: the ring op's outputs saved, the rest recomputed
+            if offload or (getattr(checkpoint_fn, "keywords", None) or {}).get("offload"):  # ours, or transformers'
+                args, kwargs = _refusing(args, kwargs, OFFLOAD_COMPILED)
             return compiled_checkpoint(function, *args, **kwargs)
         kept = Kept(offload=offload, record=keep)  # not recording: the runs are still told apart (``compiled``)
 

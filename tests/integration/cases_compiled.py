@@ -140,7 +140,8 @@ def wrapped_checkpointing(policy: bool):
     """torchtitan's order: every decoder layer wrapped by torch's ``checkpoint_wrapper``, then compiled
     (fullgraph, aot_eager). With ringseq's policy (``context_fn``: the ring op's outputs saved) the
     step is the unpatched model's; without it the compiled backward would run the ring again, which
-    the op refuses by name at the first backward, on every rank."""
+    the op refuses by name at the first backward, on every rank. transformers' checkpoint offload on
+    compiled layers, which they would not apply, is refused when they run."""
     from functools import partial
 
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
@@ -165,6 +166,14 @@ def wrapped_checkpointing(policy: bool):
         loss = model(**batch).loss
         assert_refused(loss.backward, "recomputes its ring_attention in the backward")
         compiled._pending.clear()  # the refused step's graphs (a loop would go on; here the case ends)
+        # transformers' offload is not applied to compiled layers: refused when the layer runs, not ignored
+        torch._dynamo.reset()
+        model = ringseq.patch(copy.deepcopy(base), sp=sp)  # then enabled as the Trainer does: ringseq's offload
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False, "offload": True})
+        for layer in model.model.layers:
+            layer.compile(fullgraph=True, backend="aot_eager")
+        assert_refused(lambda: model(**batch), "is not applied to compiled layers")
+        ringseq.unpatch(model)
         return where
     loss = model(**batch).loss
     loss.backward()
