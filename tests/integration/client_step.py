@@ -39,7 +39,7 @@ def metrics_of(trainer) -> list[dict]:
 def gathered_trainable(trainer) -> dict:
     import deepspeed
 
-    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped, keep_torch_compile=False)
     out = {}
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -113,8 +113,11 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
         import trl
 
         bf16 = SFT_SCENARIOS[name].get("bf16", False) and dtype == torch.float32
+        # compiled under ringseq only: the stock reference's arithmetic is the same, eagerly
+        compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"} \
+            if ringseq_sp and SFT_SCENARIOS[name].get("compile") else {}
         args = sft_config(name, out_dir, use_cpu=True, bf16=bf16,
-                          **engine_args(stage, vlm=SFT_SCENARIOS[name].get("vlm", False)))
+                          **engine_args(stage, vlm=SFT_SCENARIOS[name].get("vlm", False)), **compiled)
         cls = ringseq.SFTTrainer if ringseq_sp else trl.SFTTrainer
         data = SFT_SCENARIOS[name]["data"]
         text = vlm_processor() if SFT_SCENARIOS[name].get("vlm") else tokenizer()
@@ -125,6 +128,9 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
     trainer = cls(model=model, args=args, **kw, **({"sp": ringseq_sp} if ringseq_sp else {}))
     start = gathered_trainable(trainer)
     trainer.train()
+    if getattr(args, "torch_compile", False):  # it trained the model torch.compile made (Accelerate's dynamo plugin)
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), \
+            f"{name}: trained {type(trainer.model_wrapped).__name__}, not a compiled model"
     if kw.get("eval_dataset") is not None:
         trainer.evaluate()  # logs its metrics
     return metrics_of(trainer), start, gathered_trainable(trainer)

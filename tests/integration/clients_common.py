@@ -131,7 +131,7 @@ SFT_SCENARIOS = {
     "padding_free": dict(data="text", padding_free=True, max_length=None),
     "completion": dict(data="prompt_completion"),
     "assistant": dict(data="messages", assistant_only_loss=True),
-    "dft": dict(data="text", loss_type="dft"),
+    "dft": dict(data="text", loss_type="dft", compile=True),  # ringseq's run with torch_compile=True (aot_eager)
     "peft": dict(data="text", peft=True),
     "model_id": dict(data="text", model_id=True),
     "bf16": dict(data="text", bf16=True),
@@ -146,7 +146,7 @@ METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", 
 def sft_config(name: str, out_dir: str, **extra):
     from trl import SFTConfig
 
-    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id", "vlm")}
+    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id", "vlm", "compile")}
     s.setdefault("bf16", False)
     s.setdefault("max_length", 64)
     s.update(extra)

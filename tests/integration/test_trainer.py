@@ -28,8 +28,9 @@ def test_trainer_deepspeed_steps_equal_single_process(pool2):
 
 
 # the hybrid: a Qwen3.5-style model's gated DeltaNet layer state-passed under the Trainer, 2 x 2 replicas;
-# TrainingArguments(torch_compile=True): the ring one op in the compiled decoder (docs/compile.md)
-@pytest.mark.parametrize("nproc,cases,extra", [(2, ["resume,checkpointing", "compile"], ["--stock-first"]),
+# TrainingArguments(torch_compile=True) on the hybrid: the ring and the gated DeltaNet's kernels ops in the compiled
+# decoder (docs/compile.md)
+@pytest.mark.parametrize("nproc,cases,extra", [(2, ["resume,checkpointing", "compile,hybrid"], ["--stock-first"]),
                                                (4, ["", "hybrid"], [])])
 def test_trainer_ddp_steps_equal_single_process(pools, nproc, cases, extra):
     resumes = sum("resume" in c for c in cases)
