@@ -18,6 +18,7 @@ Prints JSON lines and draws ``benchmarks/results/compiled.png``. Usage::
 
     python benchmarks/compiled.py                 # N=4096, P = 2 and 4, then the lengths
     python benchmarks/compiled.py lengths --n 2048 --rows 6
+    python benchmarks/compiled.py speed --family qwen3_5 --sizes 2   # a hybrid: the recurrent op's share
 """
 from __future__ import annotations
 
@@ -34,15 +35,26 @@ import common  # noqa: E402
 MODES = ("eager", "layers", "model")
 
 
-def _model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+FAMILIES = ("llama", "qwen3_5")
+
+
+def _model(family: str = "llama"):
+    """The Llama, or a Qwen3.5-style hybrid of the same width and depth (gated DeltaNet layers and
+    attention layers in turn; transformers' PyTorch kernels: its chunked delta rule, its convolution)."""
+    import transformers as tf
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536,
-                         use_cache=False)
+    common_args = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=65536, use_cache=False)
+    if family == "llama":
+        config = tf.LlamaConfig(**common_args)
+        config._attn_implementation = "sdpa"
+        return tf.LlamaForCausalLM(config)
+    config = tf.Qwen3_5TextConfig(**common_args, head_dim=32, linear_num_key_heads=4, linear_num_value_heads=8,
+                                  linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+                                  layer_types=["linear_attention", "full_attention"] * 2)
     config._attn_implementation = "sdpa"
-    return LlamaForCausalLM(config)
+    return tf.Qwen3_5ForCausalLM(config)
 
 
 def _compiled(model, mode: str):
@@ -55,7 +67,7 @@ def _compiled(model, mode: str):
     return model
 
 
-def measure(N: int, reps: int, patched: bool) -> list[dict]:
+def measure(N: int, reps: int, patched: bool, family: str = "llama") -> list[dict]:
     """Every mode of one configuration, in this process tree (rank 0's records)."""
     import torch.distributed as dist
     from torch._dynamo.utils import counters
@@ -70,7 +82,7 @@ def measure(N: int, reps: int, patched: bool) -> list[dict]:
     for mode in MODES:
         torch._dynamo.reset()
         counters.clear()
-        model = _model()
+        model = _model(family)
         if patched:
             model = ringseq.patch(model, sp=sp)
         run = _compiled(model, mode)
@@ -88,7 +100,7 @@ def measure(N: int, reps: int, patched: bool) -> list[dict]:
         ms = common.timed_ms(train_step, reps) if patched else _timed_ms(train_step, reps)
         loss = losses[-1].item()
         eager_loss = loss if mode == "eager" else eager_loss
-        records.append(dict(system="ringseq" if patched else "unpatched", P=P, N=N, mode=mode,
+        records.append(dict(system="ringseq" if patched else "unpatched", family=family, P=P, N=N, mode=mode,
                             tokens_per_s=round(N / ms * 1e3, 1), step_ms=round(ms, 1),
                             first_step_s=round(first, 2), graph_breaks=sum(counters["graph_break"].values()),
                             graphs=counters["stats"]["unique_graphs"], loss=loss,
@@ -146,9 +158,9 @@ def _timed_ms(step, reps: int) -> float:
     return statistics.median(times)
 
 
-def _unpatched(N: int, reps: int) -> list[dict]:
+def _unpatched(N: int, reps: int, family: str) -> list[dict]:
     torch.set_num_threads(1)
-    return measure(N, reps, patched=False)
+    return measure(N, reps, False, family)
 
 
 def plot(records, path):
@@ -169,7 +181,8 @@ def plot(records, path):
     ax.set_xticks([j + width for j in range(len(groups))],
                   [f"{s}" + (f" P={P}" if s == "ringseq" else " (1 process)") for s, P in groups])
     ax.axhline(1.0, color="grey", lw=0.8)
-    ax.set(ylabel="tokens/s / eager", title=f"training step compiled / eager, N={records[0]['N']} (CPU, inductor)")
+    ax.set(ylabel="tokens/s / eager",
+           title=f"{records[0]['family']}: training step compiled / eager, N={records[0]['N']} (CPU, inductor)")
     common.save_figure(fig, [ax], path)
 
 
@@ -181,6 +194,8 @@ def main(argv=None):
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8, help="rows of each kind in the lengths part")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--family", choices=FAMILIES, default="llama",
+                        help="the speed part's model: the Llama, or a Qwen3.5-style hybrid (gated DeltaNet)")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     parts = args.parts or ["speed", "lengths"]
@@ -189,14 +204,14 @@ def main(argv=None):
     path = common.fresh_file(args.out, "compiled.jsonl")
     if "speed" in parts:
         records = []
-        for record in common.run_tree(_unpatched, 1, 1, args.n, args.reps):
+        for record in common.run_tree(_unpatched, 1, 1, args.n, args.reps, args.family):
             common.emit(record, path)
             records.append(record)
         for P in args.sizes:
-            for record in common.run_tree(measure, P, 1, args.n, args.reps, True):
+            for record in common.run_tree(measure, P, 1, args.n, args.reps, True, args.family):
                 common.emit(record, path)
                 records.append(record)
-        plot(records, os.path.join(args.out, "compiled.png"))
+        plot(records, os.path.join(args.out, "compiled.png" if args.family == "llama" else f"compiled_{args.family}.png"))
     if "lengths" in parts:
         for record in common.run_tree(varying, 2, 1, args.n, args.rows, args.seed):
             common.emit(record, path)

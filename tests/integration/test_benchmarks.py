@@ -233,3 +233,14 @@ def test_compiled_benchmark(tmp_path):
     lengths = [r for r in records if "graphs_after_each_row" in r]
     assert len(lengths) == 4 and all(r["graph_breaks"] == 0 and r["graphs_after_each_row"][-1] <= 2 for r in lengths)
     assert (tmp_path / "compiled.png").exists() and (tmp_path / "compiled.jsonl").exists()
+
+
+@pytest.mark.slow  # the unpatched hybrid's inductor compiles unroll its chunked delta rule (about 3 minutes)
+def test_compiled_benchmark_on_a_hybrid(tmp_path):
+    records = bench("compiled.py", "speed", "--family", "qwen3_5", "--n", "256", "--sizes", "2", "--reps", "1",
+                    out=tmp_path)
+    assert [(r["system"], r["family"], r["mode"]) for r in records] == [
+        (s, "qwen3_5", m) for s in ("unpatched", "ringseq") for m in ("eager", "layers", "model")]
+    assert all(r["tokens_per_s"] > 0 and r["graph_breaks"] == 0 and r["loss_vs_eager"] < 1e-4 for r in records)
+    assert all(r["graphs"] == (2 if r["mode"] == "layers" else 1) for r in records if r["mode"] != "eager")
+    assert (tmp_path / "compiled_qwen3_5.png").exists()
