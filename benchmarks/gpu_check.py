@@ -20,9 +20,10 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
                  failure); the default choice must take everything.
 (4) ``model``    a patched tiny Llama (packed documents) training step: loss and gradients against
                  the unpatched model in the same dtype and in float64.
-(5) ``compiled`` the patched tiny Llama of (4) with every decoder layer compiled (``fullgraph=True``):
+(5) ``compiled`` the patched tiny Llama of (4), then a tiny Qwen3.5-style hybrid (the recurrent op),
+                 with every decoder layer compiled (``fullgraph=True``):
                  inductor's default, max-autotune without CUDA graphs and reduce-overhead (CUDA graphs;
-                 the ring op is tagged ``cudagraph_unsafe``, so inductor leaves it out of them) on CUDA,
+                 the ops are tagged ``cudagraph_unsafe``, so inductor leaves them out of them) on CUDA,
                  the default on the CPU: loss and gradients against the unpatched eager model, graph
                  breaks, and the step time against the eager patched model's (docs/compile.md); on the
                  CPU aot_eager only (the row's own code, in seconds; inductor's: benchmarks/compiled.py).
@@ -220,6 +221,27 @@ def _tiny_llama(args, rows, check: str):
     return _world_of_one(), S, config, base, {"input_ids": ids, "labels": ids, "position_ids": positions(1, S, g)}
 
 
+def _tiny_hybrid(args, rows, check: str):
+    """As ``_tiny_llama``, a tiny Qwen3.5-style hybrid (a gated DeltaNet layer, then attention) of the
+    same width; None (the row recorded as skipped) without a transformers that has the family."""
+    try:
+        from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    except ImportError:
+        _record(rows, check=check, model="tiny qwen3_5", ok=True, skipped="this transformers has no Qwen3.5")
+        return None
+    S = 2048 if args.device == "cuda" else 256
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=32, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=32, linear_value_head_dim=32,
+                               linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+                               use_cache=False, attn_implementation="sdpa")
+    base = Qwen3_5ForCausalLM(config)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (1, S), generator=g)
+    return _world_of_one(), S, config, base, {"input_ids": ids, "labels": ids}
+
+
 def check_model(args, rows):
     """(4) a patched tiny Llama step (packed documents) against the unpatched one."""
     made = _tiny_llama(args, rows, "model")
@@ -250,20 +272,23 @@ def check_model(args, rows):
 
 
 def check_compiled(args, rows):
-    """(5) the patched tiny Llama's step with its decoder layers compiled, each mode, against the
-    unpatched eager model (same dtype and float64); its time against the eager patched step's."""
-    made = _tiny_llama(args, rows, "compiled")
-    if made is None:
-        return
-    sp, S, config, base, batch = made
+    """(5) the patched tiny Llama's step (packed documents), then a tiny hybrid's (the ring op and the
+    recurrent op), with their decoder layers compiled, each mode, against the unpatched eager model
+    (same dtype and float64); its time against the eager patched step's."""
+    for name, make in (("tiny llama", _tiny_llama), ("tiny qwen3_5", _tiny_hybrid)):
+        made = make(args, rows, "compiled")
+        if made is not None:
+            _compiled_rows(args, rows, name, *made)
+
+
+def _compiled_rows(args, rows, name, sp, S, config, base, batch):
     from torch._dynamo.utils import counters
-    from transformers import LlamaForCausalLM
 
     batch = {n: t.to(args.device) for n, t in batch.items()}
     dtype = torch.bfloat16
 
     def model_of(dtype, patched, mode=None):
-        model = LlamaForCausalLM(copy.deepcopy(config)).to(args.device, dtype)
+        model = type(base)(copy.deepcopy(config)).to(args.device, dtype)
         model.load_state_dict(base.state_dict())
         if patched:
             model = ringseq.patch(model, sp=sp)
@@ -300,9 +325,9 @@ def check_compiled(args, rows):
     modes = ["default", "max-autotune-no-cudagraphs", "reduce-overhead"] if args.device == "cuda" else ["aot_eager"]
     for mode in modes:
         if not args.time_left():
-            _record(rows, check="compiled", mode=mode, ok=True, skipped="out of time (--budget-s)")
+            _record(rows, check="compiled", model=name, mode=mode, ok=True, skipped="out of time (--budget-s)")
             continue
-        row = dict(check="compiled", model="tiny llama", S=S, device=args.device, dtype=str(dtype)[6:], mode=mode)
+        row = dict(check="compiled", model=name, S=S, device=args.device, dtype=str(dtype)[6:], mode=mode)
         try:
             torch._dynamo.reset()
             counters.clear()

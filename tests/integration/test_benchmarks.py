@@ -156,6 +156,9 @@ def test_gpu_check_runs_its_cpu_part():
     blocks = [r for r in rows if r["check"] == "blocks"]
     assert {r["mask"] for r in blocks} == {"dense", "documents", "window=128", "window=1024", "window=4096"}
     assert all(r["kernel"] == "cpu_flash" and r["ratio"] > 0 for r in blocks)
+    compiled = [r for r in rows if r["check"] == "compiled"]
+    assert {r["model"] for r in compiled} == {"tiny llama", "tiny qwen3_5"}  # the ring op, and the recurrent op
+    assert all(r["graphs"] >= 1 for r in compiled)
 
 
 @pytest.mark.slow  # three process trees; the state passing it measures is tested in test_hybrid_models
