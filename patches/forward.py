@@ -79,7 +79,8 @@ class _Step:
     local: dict | None = None
     padding: object = None
     out: object = None
-    """The decoder's output when the preparation ran it already (a vision-language model's)."""
+    vision: dict | None = None
+    """A vision-language model's inputs for ``vision.run`` (its multimodal part on the full batch)."""
     router: object = None
     unshifted: bool = False
 
@@ -107,18 +108,20 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                     kwargs)
     if not isinstance(step, _Step):
         return step  # a generation call's output
-    if step.out is None:
-        try:
-            with mixers.patched_forward():
+    try:
+        with mixers.patched_forward():
+            if step.vision is not None:  # the multimodal part on the full batch, the language model sharded
+                step.out, step.batch = vision.run(self, step.handle, **step.vision)
+            else:
                 step.out = self.get_decoder()(input_ids=step.local.get("input_ids"),
                                               inputs_embeds=step.local.get("inputs_embeds"),
                                               position_ids=step.local["position_ids"], use_cache=False,
                                               ringseq=step.batch, **step.kwargs)
-        except RingSeqError:
-            raise
-        except BaseException as exc:
-            _failed(step.handle, exc)
-            raise
+    except RingSeqError:
+        raise
+    except BaseException as exc:
+        _failed(step.handle, exc)
+        raise
     return _outputs(self, step, num_items_in_batch, fused_lm_head, logits_fn)
 
 
@@ -169,15 +172,14 @@ def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, label
             if handle.recurrent and step.padding is not None:
                 kwargs["attention_mask"] = step.padding  # recurrent layers zero padding with this rank's shard
             return step
-        # the multimodal part on the full batch, the language model sharded (and run here, eagerly)
+        # the multimodal part on the full batch, the language model sharded (run by the forward: compiled under
+        # torch.compile(model), its sharding and agreements eager)
         if ringseq is not None:
             raise RingSeqError("a vision-language model takes the full batch (images and placeholder tokens), not "
                                "one from ringseq.shard_batch: call the patched model on it")
-        with mixers.patched_forward():
-            step.out, step.batch = vision.run(self, handle, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                                              attention_mask=attention_mask, position_ids=position_ids,
-                                              labels=labels, shift_labels=shift_labels, kwargs=kwargs,
-                                              balance=balance)
+        step.vision = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                           position_ids=position_ids, labels=labels, shift_labels=shift_labels, kwargs=kwargs,
+                           balance=balance)
     except RingSeqError:
         raise  # ringseq's own failures have told the peers already
     except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)

@@ -199,33 +199,52 @@ def run(model, handle, *, input_ids, inputs_embeds, attention_mask, position_ids
         balance: bool = False):
     """The VLM's own forward on the full batch, its language model on this rank's shard
     (``balance``: packed documents laid out by work, ``ringseq.balance``). Returns (the language
-    model's output on this rank's tokens, the ``ShardedBatch``)."""
-    check_inputs(handle, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                 position_ids=position_ids, labels=labels, shift_labels=shift_labels)
+    model's output on this rank's tokens, the ``ShardedBatch``). Under ``torch.compile(model)`` the
+    model's own code (the vision tower, the merge, the language model) is traced; the checks, the
+    agreements and the sharding run eagerly (``_checked``, ``_shard``)."""
     base, _ = multimodal_model(model)
-    padding = attention_mask  # the 2-D padding mask (the model may hand its language model masks of its own)
-    blocks = _blocks(base, kwargs)
+    blocks = _checked(handle, base, kwargs, input_ids=input_ids, inputs_embeds=inputs_embeds,
+                      attention_mask=attention_mask, position_ids=position_ids, labels=labels,
+                      shift_labels=shift_labels)
+    full = {"position_ids": None, "labels": labels, "shift_labels": shift_labels,
+            "attention_mask": attention_mask}  # the 2-D padding mask (the model may hand its language model its own)
     seen = {}
 
     def sharded_language_model(inner, inputs_embeds, position_ids=None, attention_mask=None, past_key_values=None,
                                use_cache=None, **lm_kwargs):
-        full = {"inputs_embeds": inputs_embeds, "position_ids": position_ids, "labels": labels,
-                "shift_labels": shift_labels, "attention_mask": padding}
-        local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
-                               documents_apart=handle.documents_apart, blocks=blocks, agreed=True,
-                               balance=balance)
-        batch = batch.with_head_groups(handle.head_groups)
-        if lm_kwargs.get("visual_pos_masks") is not None:
-            lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
-                lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), batch)
-        if handle.recurrent and local.get("attention_mask") is not None:
-            lm_kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this shard
+        local, batch, lm_kwargs = _shard(handle, {**full, "inputs_embeds": inputs_embeds, "position_ids": position_ids},
+                                         blocks, balance, lm_kwargs)
         seen["ringseq"] = batch
         return inner(inputs_embeds=local["inputs_embeds"], position_ids=local["position_ids"], use_cache=False,
                      ringseq=batch, **lm_kwargs)
 
-    if handle.vision.split:
-        vision_split.encoder_outputs(base, kwargs, handle.sp)
     out = through_base(model, sharded_language_model, input_ids=input_ids, inputs_embeds=inputs_embeds,
                        attention_mask=attention_mask, position_ids=position_ids, kwargs=kwargs)
     return out, seen["ringseq"]
+
+
+@torch.compiler.disable
+def _checked(handle, base, kwargs: dict, **inputs):
+    """The inputs agreed on every rank, Gemma 3's image blocks, the vision work shared out: the eager
+    part before the model's own forward. Returns the blocks."""
+    check_inputs(handle, kwargs, **inputs)
+    blocks = _blocks(base, kwargs)
+    if handle.vision.split:
+        vision_split.encoder_outputs(base, kwargs, handle.sp)
+    return blocks
+
+
+@torch.compiler.disable
+def _shard(handle, full: dict, blocks, balance: bool, lm_kwargs: dict):
+    """The language model's inputs on this rank's shard (agreed): (its tensors, the ``ShardedBatch``,
+    its other arguments, Qwen3-VL's visual features and a recurrent model's padding sharded)."""
+    local, batch = sharded({k: v for k, v in full.items() if v is not None}, sp=handle.sp,
+                           documents_apart=handle.documents_apart, blocks=blocks, agreed=True, balance=balance)
+    batch = batch.with_head_groups(handle.head_groups)
+    lm_kwargs = dict(lm_kwargs)
+    if lm_kwargs.get("visual_pos_masks") is not None:
+        lm_kwargs["visual_pos_masks"], lm_kwargs["deepstack_visual_embeds"] = _deepstack(
+            lm_kwargs["visual_pos_masks"], lm_kwargs.get("deepstack_visual_embeds"), batch)
+    if handle.recurrent and local.get("attention_mask") is not None:
+        lm_kwargs["attention_mask"] = local["attention_mask"]  # recurrent layers zero padding with this shard
+    return local, batch, lm_kwargs

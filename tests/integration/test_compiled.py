@@ -43,10 +43,12 @@ def test_sinks_and_experts_compiled(pool2):
     pool2.run(cases_compiled.step, "gpt_oss", "model", "padded", backend="aot_eager")
 
 
-def test_a_vlms_language_layers_compiled(pool2):
+def test_vlms_compiled(pool2):
     """Gemma 3 (bidirectional image-token blocks in the ring's masks): its language model's layers
-    compiled with fullgraph, the multimodal part eager; exact, every parameter's gradient."""
-    pool2.run(cases_compiled.vlm_layers, "gemma3")
+    compiled with fullgraph; Qwen2.5-VL (3-D rotary positions) under torch.compile(model), the vision
+    tower traced with it. Exact, every parameter's gradient; the language model's rings run as ops."""
+    pool2.run(cases_compiled.vlm, "gemma3", "layers")
+    pool2.run(cases_compiled.vlm, "qwen2_5_vl", "model")
 
 
 def test_the_recurrent_op_is_the_eager_path(pool2, pool4):
