@@ -216,25 +216,6 @@ def _gradients(ctx, dout, _call):
 torch.library.register_autograd("ringseq::ring_attention", _gradients, setup_context=_setup)
 
 
-@torch.library.custom_op("ringseq::refused", mutates_args=())
-def _refused(x: torch.Tensor, why: str) -> torch.Tensor:
-    raise RingSeqError(why)
-
-
-@_refused.register_fake
-def _(x, why):
-    return torch.empty_like(x)
-
-
-torch.library.register_autograd("ringseq::refused", lambda ctx, grad: (grad, None))  # traced, never run
-
-
-def refused(x: torch.Tensor, why: str) -> torch.Tensor:
-    """``x`` in a compiled graph, through an op that raises ``RingSeqError(why)`` when the graph runs:
-    a refusal that reaches the user (a raise while dynamo traces falls back to eager code instead)."""
-    return torch.ops.ringseq.refused(x, why)
-
-
 def attend(q, k, v, *, batch, scale=None, window=None, softcap=None, sinks=None) -> torch.Tensor:
     """The patched attention's ring call as the compiled graph sees it (traced by dynamo): q, k,
     v cast as ``ring_attention`` casts them under autocast, then one ``ringseq::ring_attention``."""

@@ -109,12 +109,29 @@ OFFLOAD_COMPILED = ("offload=True (transformers' checkpoint offload, or fit's of
                     "(gradient_checkpointing_kwargs={'offload': False}, or no torch.compile)")
 
 
+@torch.library.custom_op("ringseq::refused", mutates_args=())
+def _refused(x: torch.Tensor, why: str) -> torch.Tensor:
+    raise RingSeqError(why)
+
+
+@_refused.register_fake
+def _(x, why):
+    return torch.empty_like(x)
+
+
+torch.library.register_autograd("ringseq::refused", lambda ctx, grad: (grad, None))  # traced, never run
+
+
+def refused(x: torch.Tensor, why: str) -> torch.Tensor:
+    """``x`` in a compiled graph, through an op that raises ``RingSeqError(why)`` when the graph runs:
+    a refusal that reaches the user (a raise while dynamo traces falls back to eager code instead)."""
+    return torch.ops.ringseq.refused(x, why)
+
+
 def _refusing(args: tuple, kwargs: dict, why: str):
     """``args``, ``kwargs`` with their first tensor passed through ``ringseq::refused``: the compiled
     layer raises ``RingSeqError(why)`` when it runs (dynamo would turn a raise while it traces into
     an eager fallback that never reaches the user)."""
-    from .compiled import refused
-
     args = list(args)
     for where in (args, kwargs):
         for key in (range(len(where)) if where is args else list(where)):
