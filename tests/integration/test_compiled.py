@@ -5,9 +5,10 @@ the 2x rule on two steps (the compiling one and the next), with no graph break r
 recompile on the second batch of the same shape; the ops against the eager paths to the last bit;
 checkpointing under compile without ringseq's policy refused by name.
 Inductor compiles take tens of seconds here (its first in a process about 20 s, more when 4
-processes compile at once on 2 cores), so the cases are few and each covers much: inductor runs in
-the world-2 pool only, and the cases that are about ringseq's features rather than inductor run
-under aot_eager (the same tracing and autograd partitioning, the graphs then run eagerly)."""
+processes compile at once on 2 cores), so one case uses it (a hybrid's checkpointed layers: both ops,
+and the selective checkpointing whose freed buffers inductor reuses), and the others run under
+aot_eager (the same tracing and autograd partitioning, the graphs then run eagerly); inductor's own
+speed and the varying lengths are benchmarks/compiled.py's."""
 import pytest
 
 from . import cases_batches, cases_compiled
@@ -22,9 +23,8 @@ def test_the_op_is_the_eager_ring(pool2, pool4, ulysses, mask):
 
 
 def test_the_whole_model_compiled(pool2, pool4):
-    """torch.compile(model) on packed documents (world 2, inductor) and model.compile() on padding
-    (world 4)."""
-    pool2.run(cases_compiled.step, "llama", "model", "packed")
+    """torch.compile(model) on packed documents (world 2) and model.compile() on padding (world 4)."""
+    pool2.run(cases_compiled.step, "llama", "model", "packed", backend="aot_eager")
     pool4.run(cases_compiled.step, "llama", "method", "padded", backend="aot_eager")
 
 
@@ -32,7 +32,7 @@ def test_each_layer_compiled_with_fullgraph(pool2, pool4):
     """torchtitan's way: every decoder layer compiled alone with fullgraph=True. Gemma 2 (softcap,
     alternating windows, padding), GQA Llama under Ulysses 2 x ring 2 with head groups, Mistral's
     window over packed documents with tiled MLP."""
-    pool2.run(cases_compiled.step, "gemma2", "layers", "padded")
+    pool2.run(cases_compiled.step, "gemma2", "layers", "padded", backend="aot_eager")
     pool4.run(cases_compiled.step, "llama", "layers", "packed", 2, None, None, "kv", backend="aot_eager")
     pool4.run(cases_compiled.step, "mistral", "layers", "packed", 1, None, True, backend="aot_eager")
 
@@ -78,10 +78,11 @@ def test_a_failure_inside_the_compiled_ring_reaches_every_rank(pool4, backward):
 
 
 def test_checkpointed_layers_compiled(pool2, pool4):
-    """transformers' checkpointing under compile: the ring op's outputs saved, the rest recomputed
-    (keep_ring_outputs either way), per layer with inductor and whole; torchtitan's
-    checkpoint_wrapper with ringseq's policy; without it, refused at the first backward."""
-    pool2.run(cases_compiled.step, "llama", "layers", "plain", 1, "keep")
+    """transformers' checkpointing under compile: the ops' outputs saved, the rest recomputed
+    (keep_ring_outputs either way): a hybrid's layers with inductor (the one inductor case: both ops,
+    inductor reusing the buffers the selective checkpointing frees), a whole model; torchtitan's
+    checkpoint_wrapper with ringseq's policy; without it, refused at the first backward; offload refused."""
+    pool2.run(cases_compiled.step, "qwen3_5", "layers", "padded", 1, "keep")  # inductor: both ops, saved
     pool4.run(cases_compiled.step, "llama", "model", "packed", 1, "replay", backend="aot_eager")
     pool2.run(cases_compiled.wrapped_checkpointing, True)
     pool2.run(cases_compiled.wrapped_checkpointing, False)
