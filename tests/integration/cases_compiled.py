@@ -13,7 +13,7 @@ import torch.distributed as dist
 import ringseq
 from ringseq.testing import shared_init
 
-from .hf_models import EAGER, check_against, loss_and_grads, make_batch, references
+from .hf_models import EAGER, check_against, loss_and_grads, make_batch, references, tiny_model
 from .hybrid_configs import MOE_FAMILIES
 
 MOE = ("gpt_oss", *MOE_FAMILIES)
@@ -289,3 +289,50 @@ def recurrent_op_against_eager():
     from ringseq.attention import compiled
     assert not compiled._pending, f"rank {sp.rank}: the backwards left {len(compiled._pending)} kept graphs"
     return world
+
+
+def a_recurrent_failure_reaches_every_rank(steps: int = 3):
+    """A training loop that catches errors and skips the step, on a hybrid (Qwen3.5-style) under
+    ``torch.compile(model)``: at step 1 the last rank's gated delta rule fails inside
+    ``ringseq::recurrent``, before its exchange. Every rank raises in that step (the failing rank its
+    own MemoryError, its peers a RingSeqError naming it), and the other steps are the unpatched model's."""
+    from ringseq import recurrent
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    base = tiny_model("qwen3_5")
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    run = torch.compile(model, backend="aot_eager")
+    victim = sp.rank == world - 1
+    original, armed = recurrent.state_passing, [False]
+
+    def state_passing(*args, **kwargs):
+        if victim and armed[0]:
+            raise MemoryError("injected: the delta rule ran out of memory")
+        return original(*args, **kwargs)
+
+    recurrent.state_passing = state_passing
+    outcome = {}
+    try:
+        for step in range(steps):
+            armed[0] = step == 1
+            try:
+                model.zero_grad(set_to_none=True)
+                loss = run(**make_batch(2, 16 * world, "packed", seed=step)).loss
+                loss.backward()
+                outcome[step] = loss.detach()
+            except (ringseq.RingSeqError, MemoryError) as exc:
+                outcome[step] = exc
+    finally:
+        recurrent.state_passing = original
+    where = f"rank {sp.rank}/{world}"
+    raised = outcome[1]
+    assert isinstance(raised, MemoryError if victim else ringseq.RingSeqError), (where, raised)
+    assert victim or f"global rank {sp.ranks[-1]}" in str(raised), (where, str(raised))
+    for s in (0, 2):
+        ref = loss_and_grads(copy.deepcopy(base), make_batch(2, 16 * world, "packed", seed=s))[0]
+        assert torch.is_tensor(outcome[s]) and abs(outcome[s].item() - ref.item()) <= 1e-5 * abs(ref.item()), \
+            (where, s, outcome[s], ref)
+    ringseq.unpatch(model)
+    return where

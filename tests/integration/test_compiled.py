@@ -77,6 +77,13 @@ def test_a_failure_inside_the_compiled_ring_reaches_every_rank(pool4, backward):
               compiled=True)
 
 
+def test_a_failure_inside_the_recurrent_op_reaches_every_rank(pool2):
+    """The last rank's gated delta rule fails inside a compiled hybrid's recurrent op, before its
+    exchange: every rank raises in that step (its own error, or a RingSeqError naming it), the loop
+    skips it and the next step is the unpatched model's."""
+    pool2.run(cases_compiled.a_recurrent_failure_reaches_every_rank)
+
+
 def test_checkpointed_layers_compiled(pool2, pool4):
     """transformers' checkpointing under compile: the ops' outputs saved, the rest recomputed
     (keep_ring_outputs either way): a hybrid's layers with inductor (the one inductor case: both ops,
