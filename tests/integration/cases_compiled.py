@@ -336,3 +336,30 @@ def a_recurrent_failure_reaches_every_rank(steps: int = 3):
             (where, s, outcome[s], ref)
     ringseq.unpatch(model)
     return where
+
+
+def varying_lengths(family: str, lengths=(16, 24, 32)):
+    """``torch.compile(model)`` (aot_eager) on rows of growing length (per rank), each step exact
+    against the unpatched model: dynamo makes at most 2 graphs in all (the first length static, then
+    one with dynamic shapes that every later length reuses), the ops' fake implementations taking
+    symbolic sizes."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    made = []
+    for i, n in enumerate(lengths):
+        batch = make_batch(2, n * world, "packed", seed=i)
+        base, refs = references(family, batch)
+        if i == 0:
+            model = ringseq.patch(copy.deepcopy(base), sp=sp)
+            run = torch.compile(model, backend="aot_eager")
+        loss, grads = loss_and_grads(run, batch)
+        check_against(refs, loss, {k.replace("_orig_mod.", ""): g for k, g in grads.items()}, sp,
+                      f"{family} compiled, {n * world} tokens, rank {sp.rank}/{world}")
+        made.append(counters["stats"]["unique_graphs"])
+    assert made[-1] <= 2 and not counters["graph_break"], (family, made, dict(counters["graph_break"]))
+    ringseq.unpatch(model)
+    return made
