@@ -42,7 +42,8 @@ os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 SCENARIOS = {
     "grpo": dict(loss_type="grpo", eval=True),
     "bnpo_ref": dict(loss_type="bnpo", beta=0.1, model_id=True),
-    "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True, reward_model=True),
+    # ringseq's run with torch_compile=True (aot_eager): compiled checkpointed layers, generation eager
+    "dr_grpo": dict(loss_type="dr_grpo", gradient_checkpointing=True, reward_model=True, compile=True),
     "dapo_iterations": dict(loss_type="dapo", num_iterations=2, beta=0.05, model_id=True),
     "peft": dict(loss_type="grpo", beta=0.05, peft=True),
     "bf16": dict(loss_type="dapo", bf16=True),
@@ -138,7 +139,9 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     import ringseq
 
     spec = SCENARIOS[name]
-    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval", "reward_model", "vlm")}
+    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval", "reward_model", "vlm", "compile")}
+    if sp is not None and spec.get("compile"):  # the stock reference runs eagerly: the same arithmetic
+        settings.update(torch_compile=True, torch_compile_backend="aot_eager")
     bf16 = settings.pop("bf16", False) and dtype == torch.float32
     args = trl.GRPOConfig(
         output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
@@ -172,6 +175,9 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
     trainer.seen, CALLS[0] = [], 0
     start = gathered_trainable(trainer)
     trainer.train()
+    if args.torch_compile:  # it trained the model torch.compile made (Accelerate's dynamo plugin)
+        assert isinstance(trainer.model_wrapped, torch._dynamo.eval_frame.OptimizedModule), \
+            f"{name}: trained {type(trainer.model_wrapped).__name__}, not a compiled model"
     if spec.get("eval"):
         trainer.evaluate()  # generates for the eval prompts and logs eval_loss, eval_reward, ...
     logged = [{k: v for k, v in h.items() if compared(k)} for h in trainer.state.log_history
