@@ -87,13 +87,16 @@ def _reference(model, dp: int, S: int, autocast: bool):
     return grads, norm, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def step(kind: str, autocast: bool, compiled: bool = False):
+def step(kind: str, autocast: bool, compiled: bool = False, family: str = "llama"):
     """One training step of the patched model under ``kind`` against the unpatched references;
     ``compiled``: every decoder layer compiled first (``fullgraph=True``, aot_eager), then wrapped
-    (torchtitan's order: compile, then FSDP2)."""
+    (torchtitan's order: compile, then FSDP2); ``family``: the tiny Llama, or a tiny model of
+    ``hf_models`` (a hybrid: the recurrent op's parameters, such as the convolution's, under the engine)."""
+    from .hf_models import tiny_model
+
     sp = topology(kind)
     S = 16 * sp.size
-    model = tiny_llama()
+    model = tiny_llama() if family == "llama" else tiny_model(family)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     plain = _reference(model, sp.dp_size, S, autocast)
     exact = _reference(copy.deepcopy(model).double(), sp.dp_size, S, False)

@@ -35,7 +35,8 @@ def test_ddp_over_part_of_a_sequence_group_is_refused(pool4):
 def test_compiled_layers_under_ddp_and_fsdp2(pool2, pool4):
     """Every decoder layer compiled (fullgraph, the ring one op: docs/compile.md), then wrapped
     (torchtitan's order for FSDP2): the same gradients, norm and step as eager. DDP over 2 replicas,
-    FSDP2 in fp32 over 2 replicas and under bf16 autocast over one group."""
+    FSDP2 in fp32 over 2 replicas, and a hybrid's (Qwen3.5: the ring op and the recurrent op, whose
+    convolution and decay parameters FSDP2 shards) under bf16 autocast over one group."""
     pool4.run(cases_engines.step, "ddp", False, True)
     pool4.run(cases_engines.step, "fsdp2_mesh", False, True)
-    pool2.run(cases_engines.step, "fsdp2_mesh", True, True)
+    pool2.run(cases_engines.step, "fsdp2_mesh", True, True, "qwen3_5")
