@@ -17,6 +17,9 @@ tensor; the backward op takes that graph back by the number and runs it. A forwa
 never runs (a loss dropped with grad enabled) is forgotten after ``KEEP_BATCHES`` newer batches; a
 backward later than that is refused by name.
 
+The batch registry and the kept graphs (``batch_of``, ``keep_graph``, ``gradients_of``) serve the
+recurrent layers' op too (``ringseq.patches.compiled_mixers``).
+
 Activation checkpointing under compile (``ringseq.attention.keep.save_ring``): the ring op's outputs are
 saved, the rest of the layer recomputed, so the op never runs in a backward; a recompute that
 would run it (torch's checkpoint without the policy) is refused. An eager checkpoint around a
