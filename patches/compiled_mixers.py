@@ -90,8 +90,13 @@ KERNELS = {
 }
 """The sharded kernels the op carries, by name (``patches.mixers.SHARDED``); the others run eagerly."""
 
-_UNUSED = ("use_cache", "position_embeddings")
-"""Keyword arguments the models hand down to their kernels, which take and ignore them (``**kwargs``)."""
+_UNUSED = ("use_cache", "position_embeddings", "return_dict")
+"""Keyword arguments the models hand down to their kernels, which take and ignore them (``**kwargs``),
+besides the ``output_*`` flags (``output_router_logits``, which ringseq's router loss sets, and the like)."""
+
+
+def _ignored(key: str) -> bool:
+    return key in _UNUSED or key.startswith("output_")
 
 _runners: dict[int, tuple[str, Callable]] = {}
 """dispatcher number -> (kernel name, the eager sharded call ``run(batch, **arguments)``)."""
@@ -107,8 +112,8 @@ def _bind(kernel: _Kernel, args: tuple, kwargs: dict):
     if len(args) > len(kernel.order):
         return None
     named = {**kernel.defaults, **dict(zip(kernel.order, args)), **kwargs}
-    carried = {*kernel.tensors, *kernel.ints, *kernel.floats, kernel.text, *_UNUSED}
-    if any(value is not None for key, value in named.items() if key not in carried):
+    carried = {*kernel.tensors, *kernel.ints, *kernel.floats, kernel.text}
+    if any(value is not None for key, value in named.items() if key not in carried and not _ignored(key)):
         return None  # a starting state, packed documents' tables, a gate: the eager path decides
     if any(key not in named for key in kernel.tensors[:2] + kernel.ints[:1]):
         return None
@@ -184,7 +189,7 @@ def _recurrent(number: int, tensors: list[torch.Tensor], batch: torch.Tensor, in
     call = 0
     if retain and out.requires_grad:
         call = compiled.keep_graph(int(batch), (out,), tuple(t for t in leaves if t.requires_grad))
-    state = out.new_empty(0) if state is None else state.detach().clone()
+    state = out.new_empty(0) if state is None else state.detach().clone(memory_format=torch.contiguous_format)
     return out.detach().clone(memory_format=torch.contiguous_format), state, torch.tensor(call, dtype=torch.long)
 
 

@@ -211,7 +211,8 @@ def vlm(family: str, how: str):
         first = next(compiled._call_numbers)
         loss, grads = loss_and_grads(run, batch)
         calls = next(compiled._call_numbers) - first - 1
-        assert calls == len(layers), f"{where}: {calls} compiled ring calls in step {step + 1}, not {len(layers)}"
+        # (the ops' kept graphs: one a layer for these attention-only language models)
+        assert calls == len(layers), f"{where}: {calls} compiled op calls in step {step + 1}, not {len(layers)}"
         check_against(refs, loss, {n.replace("_orig_mod.", ""): g for n, g in grads.items()}, sp,
                       f"{where}, step {step + 1}")
     assert counters["stats"]["unique_graphs"] >= 1, where
@@ -363,3 +364,34 @@ def varying_lengths(family: str, lengths=(16, 24, 32)):
     assert made[-1] <= 2 and not counters["graph_break"], (family, made, dict(counters["graph_break"]))
     ringseq.unpatch(model)
     return made
+
+
+def router_logits_compiled(family: str = "qwen3_5_moe"):
+    """A hybrid MoE asked for its router logits (ringseq's router loss then passes
+    ``output_router_logits`` down to every layer's kernels): under ``torch.compile(model)`` every
+    recurrent kernel still runs as ``ringseq::recurrent`` (one op call per gated DeltaNet's
+    convolution and delta rule, one ring op per attention layer), and the loss and gradients equal
+    the eager patched model's (itself against the unpatched model's router loss: test_hybrid_models)."""
+    from ringseq.attention import compiled
+
+    torch._dynamo.reset()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    base = tiny_model(family)
+    batch = {**make_batch(2, 16 * world, "packed"), "output_router_logits": True}
+    eager = ringseq.patch(copy.deepcopy(base), sp=sp)
+    loss, grads = loss_and_grads(eager, batch)
+    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    first = next(compiled._call_numbers)
+    got, got_grads = loss_and_grads(torch.compile(model, backend="aot_eager"), batch)
+    calls = next(compiled._call_numbers) - first - 1
+    types = model.config.get_text_config().layer_types
+    expected = types.count("full_attention") + 2 * types.count("linear_attention")
+    where = f"{family} compiled with router logits, rank {sp.rank}/{world}"
+    assert calls == expected, f"{where}: {calls} op calls kept a graph, not {expected} (a kernel went eager)"
+    torch.testing.assert_close(got, loss, msg=where)
+    for name, g in grads.items():
+        torch.testing.assert_close(got_grads[f"_orig_mod.{name}"], g, msg=f"{where}: {name}")
+    for m in (eager, model):
+        ringseq.unpatch(m)
+    return where

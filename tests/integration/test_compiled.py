@@ -62,11 +62,13 @@ def test_hybrids_compiled(pool2, pool4):
     """Hybrids, each recurrent layer's sharded kernel one op: Kimi Linear (KDA, MLA attention, MoE)
     under torch.compile(model), packed; Bamba (Mamba2) layers with fullgraph under checkpointing
     that saves the ops' outputs, padded; Qwen3.5 (gated DeltaNet) layers with fullgraph under
-    Ulysses 2 x ring 2, packed; Qwen3.5 whole on packed rows of three lengths (at most 2 graphs)."""
+    Ulysses 2 x ring 2, packed; Qwen3.5 whole on packed rows of three lengths (at most 2 graphs); Qwen3.5-MoE asked for
+    its router logits, every kernel still an op."""
     pool2.run(cases_compiled.step, "kimi_linear", "model", "packed", backend="aot_eager")
     pool2.run(cases_compiled.step, "bamba", "layers", "padded", 1, "replay", backend="aot_eager")
     pool4.run(cases_compiled.step, "qwen3_5", "layers", "packed", 2, backend="aot_eager")
     pool2.run(cases_compiled.varying_lengths, "qwen3_5")
+    pool2.run(cases_compiled.router_logits_compiled)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
