@@ -14,11 +14,18 @@ whose lengths are drawn (seeded) from ProLong 64K's document-length histogram
 (``benchmarks/doc_lengths/``, buckets reaching 256 tokens, capped at N), then rows of N tokens
 packed from documents of that mix, through each compiled mode; the graphs dynamo made.
 
+``generate``: decoding after an N-token prompt, eager and under ``model.compile()`` (every decode
+step's attention one op, ``patches.compiled_decode``), the unpatched model beside it in the same
+run: decode tokens/s (a generate of ``--new`` + 1 tokens minus one of 1 token: the prefill taken
+out, median over repetitions, slowest rank), the first compiled generate's time and whether the
+compiled tokens are the eager ones.
+
 Prints JSON lines and draws ``benchmarks/results/compiled.png``. Usage::
 
     python benchmarks/compiled.py                 # N=4096, P = 2 and 4, then the lengths
     python benchmarks/compiled.py lengths --n 2048 --rows 6
     python benchmarks/compiled.py speed --family qwen3_5 --sizes 2   # a hybrid: the recurrent op's share
+    python benchmarks/compiled.py generate --sizes 2 --new 32
 """
 from __future__ import annotations
 
@@ -147,6 +154,49 @@ def varying(N: int, rows: int, seed: int) -> list[dict]:
     return records
 
 
+def decoding(N: int, new: int, reps: int, patched: bool, family: str = "llama") -> list[dict]:
+    """Decode tokens/s of ``generate`` after an N-token prompt, eager and ``model.compile()``."""
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    import ringseq
+
+    P = dist.get_world_size() if patched else 1
+    sp = ringseq.init(sp_size=P) if patched else None
+    ids = torch.randint(0, 512, (1, N), generator=torch.Generator().manual_seed(0))
+    records, eager_tokens = [], None
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        counters.clear()
+        model = _model(family).eval()
+        model.config.use_cache = model.generation_config.use_cache = True
+        if patched:
+            model = ringseq.patch(model, sp=sp)
+        if mode == "compiled":
+            model.compile()
+        out = {}
+
+        def generate(n: int):
+            with torch.no_grad():
+                out[n] = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, pad_token_id=0)
+
+        start = time.perf_counter()
+        generate(new + 1)
+        first = time.perf_counter() - start
+        timed = common.timed_ms if patched else _timed_ms
+        decode_ms = timed(lambda: generate(new + 1), reps) - timed(lambda: generate(1), reps)
+        tokens = out[new + 1][0, N:].tolist()
+        eager_tokens = tokens if mode == "eager" else eager_tokens
+        records.append(dict(system="ringseq" if patched else "unpatched", family=family, P=P, N=N, part="generate",
+                            mode=mode, new_tokens=new, decode_tokens_per_s=round(new / decode_ms * 1e3, 1),
+                            first_generate_s=round(common.slowest(first) if patched else first, 2),
+                            graph_breaks=sum(counters["graph_break"].values()),
+                            graphs=counters["stats"]["unique_graphs"], same_tokens_as_eager=tokens == eager_tokens))
+        if patched:
+            ringseq.unpatch(model)
+    return records
+
+
 def _timed_ms(step, reps: int) -> float:
     import statistics
 
@@ -158,9 +208,9 @@ def _timed_ms(step, reps: int) -> float:
     return statistics.median(times)
 
 
-def _unpatched(N: int, reps: int, family: str) -> list[dict]:
+def _unpatched(N: int, reps: int, family: str, fn=None, *args) -> list[dict]:
     torch.set_num_threads(1)
-    return measure(N, reps, False, family)
+    return (fn or measure)(N, *args, reps, False, family)
 
 
 def plot(records, path):
@@ -188,19 +238,21 @@ def plot(records, path):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("parts", nargs="*", help="speed and/or lengths (default: both)")
+    parser.add_argument("parts", nargs="*", help="speed, lengths and/or generate (default: speed and lengths)")
     parser.add_argument("--n", type=int, default=4096, help="tokens per row")
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4], help="sequence group sizes P")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--rows", type=int, default=8, help="rows of each kind in the lengths part")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--new", type=int, default=32, help="new tokens per generate in the generate part")
     parser.add_argument("--family", choices=FAMILIES, default="llama",
                         help="the speed part's model: the Llama, or a Qwen3.5-style hybrid (gated DeltaNet)")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
     parts = args.parts or ["speed", "lengths"]
-    if set(parts) - {"speed", "lengths"}:
-        parser.error(f"unknown parts {sorted(set(parts) - {'speed', 'lengths'})}: choose speed and/or lengths")
+    if set(parts) - {"speed", "lengths", "generate"}:
+        parser.error(f"unknown parts {sorted(set(parts) - {'speed', 'lengths', 'generate'})}: choose speed, "
+                     f"lengths and/or generate")
     path = common.fresh_file(args.out, "compiled.jsonl")
     if "speed" in parts:
         records = []
@@ -215,6 +267,12 @@ def main(argv=None):
     if "lengths" in parts:
         for record in common.run_tree(varying, 2, 1, args.n, args.rows, args.seed):
             common.emit(record, path)
+    if "generate" in parts:
+        for record in common.run_tree(_unpatched, 1, 1, args.n, args.reps, args.family, decoding, args.new):
+            common.emit(record, path)
+        for P in args.sizes:
+            for record in common.run_tree(decoding, P, 1, args.n, args.new, args.reps, True, args.family):
+                common.emit(record, path)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from transformers import cache_utils
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from ringseq import recurrent
+from ringseq.attention.compiled import register_batch
 from ringseq.errors import RingSeqError
 
 
@@ -44,9 +45,9 @@ class KVShard(CacheLayerMixin):
     is_compileable = False
     is_sliding = False
 
-    def __init__(self, cache: "ShardedCache", window: int | None = None):
+    def __init__(self, cache: "ShardedCache", index: int, window: int | None = None):
         super().__init__()
-        self.cache, self.window = cache, window
+        self.cache, self.index, self.window = cache, index, window
         self.positions = torch.zeros(0, dtype=torch.long)
         self.valid = None
 
@@ -58,7 +59,18 @@ class KVShard(CacheLayerMixin):
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Keep the new keys when this rank keeps this step's tokens; return every key it holds."""
+        """Keep the new keys when this rank keeps this step's tokens; return every key it holds.
+        In a compiled decode step the keeping is an op (``patches.compiled_decode``), which
+        returns copies of the new keys and values: the decode attention op that follows attends
+        to every key the layer holds."""
+        if torch.compiler.is_compiling():
+            from .compiled_decode import keep
+
+            return keep(self, key_states, value_states)
+        return self.keep(key_states, value_states)
+
+    def keep(self, key_states, value_states):
+        """``update``'s work, eagerly: (every key, every value) this rank holds for the layer."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         cache = self.cache
@@ -110,8 +122,8 @@ class KVShardAndState(KVShard, LinearAttentionLayer):
     """A layer with attention and a recurrent mixer side by side (Falcon-H1, Zamba2): this rank's
     keys and values, and the recurrent states (the same on every rank)."""
 
-    def __init__(self, cache: "ShardedCache", number_of_states: int, window: int | None = None):
-        KVShard.__init__(self, cache, window)
+    def __init__(self, cache: "ShardedCache", index: int, number_of_states: int, window: int | None = None):
+        KVShard.__init__(self, cache, index, window)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs):
@@ -129,6 +141,11 @@ class DecodeStep:
     sp: object
     cache: "ShardedCache"
     q_pos: torch.Tensor
+    key: torch.Tensor = dataclasses.field(init=False, repr=False)
+    """Names the step for the compiled decode ops (``ringseq.attention.compiled.register_batch``)."""
+
+    def __post_init__(self):
+        object.__setattr__(self, "key", register_batch(self))
 
 
 class ShardedCache(DynamicCache):
@@ -141,9 +158,9 @@ class ShardedCache(DynamicCache):
         for i, layer in enumerate(self.layers):
             window = getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
             if isinstance(layer, CacheLayerMixin) and isinstance(layer, LinearAttentionCacheLayerMixin):
-                self.layers[i] = KVShardAndState(self, layer.number_of_states, window)
+                self.layers[i] = KVShardAndState(self, i, layer.number_of_states, window)
             elif isinstance(layer, CacheLayerMixin):
-                self.layers[i] = KVShard(self, window)
+                self.layers[i] = KVShard(self, i, window)
             elif not isinstance(layer, (LinearAttentionCacheLayerMixin, DummyLayer)):
                 raise RingSeqError(f"layer {i}'s cache is a {type(layer).__name__}, which ringseq does not shard: "
                                    f"ringseq.unpatch(model) before generating")
@@ -164,6 +181,8 @@ class ShardedCache(DynamicCache):
         """The prefill's ``ShardedBatch`` while the prompt goes through the model."""
         self.last_layer = None
         """The layer whose keys were returned last: the attention call that follows attends to them."""
+        self.step = None
+        """The decode step going through the model now (``DecodeStep``)."""
 
     # --- the patched forward's bookkeeping ------------------------------------------------------
 
@@ -188,7 +207,9 @@ class ShardedCache(DynamicCache):
         self.new_positions, self.new_valid, self.first_query = q_pos, valid.bool().cpu(), start
         self.steps += 1
         self.seen += n
-        return DecodeStep(sp=self.sp, cache=self, q_pos=q_pos)
+        self.last_layer = None
+        self.step = DecodeStep(sp=self.sp, cache=self, q_pos=q_pos)
+        return self.step
 
     def kv_bytes(self) -> int:
         """Bytes of keys and values this rank holds."""

@@ -159,14 +159,11 @@ def _unbind(kernel: _Kernel, tensors, ints, floats, text) -> dict:
     return named
 
 
-_TAGS = compiled._TAGS
-
-
 def _described(t) -> str:
     return "nothing" if t is None else f"{tuple(t.shape)} {t.dtype}"
 
 
-@torch.library.custom_op("ringseq::recurrent", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("ringseq::recurrent", mutates_args=(), tags=compiled.OP_TAGS)
 def _recurrent(number: int, tensors: list[torch.Tensor], batch: torch.Tensor, ints: list[int],
                floats: list[float], text: str, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     name, run = _runners[number]
@@ -203,7 +200,7 @@ def _(number, tensors, batch, ints, floats, text, train):
 _DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
-@torch.library.custom_op("ringseq::kept_backward", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("ringseq::kept_backward", mutates_args=(), tags=compiled.OP_TAGS)
 def _kept_backward(dout: torch.Tensor, call: torch.Tensor, shapes: list[int], ndims: list[int],
                    dtypes: list[int]) -> list[torch.Tensor]:
     """The gradients of a kept eager graph's leaves (the op's floating-point tensor inputs, in order)."""

@@ -20,8 +20,7 @@ from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
 
-from . import checkpointing, fit as fitting, logits as logit_maps, mixers, router_loss, vision
-from .generation import cached_forward
+from . import checkpointing, fit as fitting, generation, logits as logit_maps, mixers, router_loss, vision
 
 # What a padding-free collator (TRL's) adds for flash-attention's varlen kernels: a second
 # description of the packed documents, which ringseq reads from position_ids instead.
@@ -106,8 +105,17 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     step = _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
                     num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache,
                     kwargs)
+    if isinstance(step, generation.DecoderCall):  # generation's decode step: the decoder over the group's cache (compiled too)
+        try:
+            hidden = self.get_decoder()(**step).last_hidden_state
+        except RingSeqError:
+            raise
+        except BaseException as exc:
+            _failed(self._ringseq_patch, exc, "a decode step")
+            raise
+        return generation.decoded(self, self._ringseq_patch, step["ringseq"].cache, hidden, logits_to_keep)
     if not isinstance(step, _Step):
-        return step  # a generation call's output
+        return step  # a generation call's output (the prefill's)
     try:
         with mixers.patched_forward():
             if step.vision is not None:  # the multimodal part on the full batch, the language model sharded
@@ -126,15 +134,17 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
 
 
 @torch.compiler.disable
-def _failed(handle, exc: BaseException) -> None:
-    lockstep.mark_failed(handle.sp, f"the patched forward: {type(exc).__name__}: {exc}")
+def _failed(handle, exc: BaseException, what: str = "the patched forward") -> None:
+    lockstep.mark_failed(handle.sp, f"{what}: {type(exc).__name__}: {exc}")
 
 
 @torch.compiler.disable
 def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
              num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache, kwargs):
     """Everything before the decoder: checks, the engine, the batch, the fit switches and
-    checkpointing; a generation call is run whole here (its output returned instead of a step)."""
+    checkpointing. A generation call's prefill (and a VLM's decode step) is run whole here, its
+    output returned instead of a step; a text model's decode step returns its decoder's keyword
+    arguments (``patches.generation.cached_forward``)."""
     handle = self._ringseq_patch
     if past_key_values is None:  # transformers >= 5.24 names it ``cache`` (and validates generate's kwargs by it)
         past_key_values = cache
@@ -152,8 +162,8 @@ def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, label
         lockstep.refuse(handle.sp, "batch", err)
     if cached:
         kwargs.update(labels=labels, shift_labels=shift_labels, ringseq=ringseq)
-        return cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask, position_ids,
-                              logits_to_keep, kwargs)
+        return generation.cached_forward(self, handle, past_key_values, input_ids, inputs_embeds, attention_mask,
+                                         position_ids, logits_to_keep, kwargs)
     step = _Step(handle, kwargs=kwargs, unshifted=labels is not None and ringseq is None)  # TRL's fused head: S - 1
     balance = _balance(self, handle, labels is not None or shift_labels is not None, fused_lm_head, logits_fn, kwargs)
     step.router = _router(self, handle, kwargs)

@@ -237,10 +237,16 @@ def _last_hidden(hidden: torch.Tensor, batch) -> torch.Tensor:
     return mine
 
 
+class DecoderCall(dict):
+    """A text model's decode step, its bookkeeping done: the decoder's keyword arguments."""
+
+
 def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, logits_to_keep,
                    kwargs: dict):
     """A patched forward with a KV cache (``generate``'s calls): the prefill when the cache is
-    empty, a decode step otherwise. Returns the logits generation reads and the cache."""
+    empty (returns the logits generation reads and the cache), a decode step otherwise. A text
+    model's decode step returns a ``DecoderCall`` instead: the patched forward runs the decoder
+    (compiled under ``torch.compile``) and hands its output to ``decoded``."""
     versions.require_feature("generation", "a patched model with a KV cache (use_cache / past_key_values)")
     if cache is None:
         cache = ShardedCache(model.config, handle.sp)
@@ -255,17 +261,27 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
             raise RingSeqError(f"{key} with a KV cache: a patched model computes losses without a cache; drop "
                                f"use_cache / past_key_values")
         kwargs.pop(key, None)
-    prefill, decode = (vision_generation.prefill, vision_generation.decode) if handle.vision is not None else \
-        (_prefill, _decode)
     if cache.seen == 0:
+        prefill = vision_generation.prefill if handle.vision is not None else _prefill
         out, batch = _failing(handle.sp, "the prefill", prefill, model, handle, cache, input_ids, inputs_embeds,
                               attention_mask, position_ids, kwargs, sharded=True)
-        hidden = _last_hidden(out.last_hidden_state, batch)
-    else:
-        hidden = _failing(handle.sp, "a decode step", decode, model, handle, cache, input_ids, inputs_embeds,
-                          attention_mask, position_ids, kwargs)
-        keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
-        hidden = hidden[:, -keep:]
+        return _finished(model, handle, cache, _last_hidden(out.last_hidden_state, batch))
+    if handle.vision is not None:
+        hidden = _failing(handle.sp, "a decode step", vision_generation.decode, model, handle, cache, input_ids,
+                          inputs_embeds, attention_mask, position_ids, kwargs)
+        return decoded(model, handle, cache, hidden, logits_to_keep)
+    return _failing(handle.sp, "a decode step", _decode, model, handle, cache, input_ids, inputs_embeds,
+                    attention_mask, position_ids, kwargs)
+
+
+@torch.compiler.disable
+def decoded(model, handle, cache, hidden, logits_to_keep):
+    """A decode step's output from the decoder's last hidden states of the new tokens."""
+    keep = logits_to_keep if isinstance(logits_to_keep, int) and logits_to_keep > 0 else hidden.size(1)
+    return _finished(model, handle, cache, hidden[:, -keep:])
+
+
+def _finished(model, handle, cache, hidden):
     lockstep.finish_step(handle.sp)  # a GPU's deferred failures: raised before generate sees a token
     return CausalLMOutputWithPast(logits=logit_maps.head_logits(model, hidden), past_key_values=cache)
 
@@ -305,8 +321,8 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
     return out, batch
 
 
-def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
-    """A decode step of a text model: the decoder's last hidden states of the new tokens."""
+def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs) -> DecoderCall:
+    """A decode step of a text model, up to its decoder."""
     sp = handle.sp
     tokens = input_ids if input_ids is not None else inputs_embeds
     B, n = tokens.shape[:2]
@@ -320,7 +336,6 @@ def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
     valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long,
                                                                                   device=tokens.device)
     decode = cache.begin_step(n, valid)
-    decoder = model.get_decoder()
-    kwargs[cache_name(type(decoder).forward)] = cache
-    return decoder(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                   position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs).last_hidden_state
+    kwargs[cache_name(type(model.get_decoder()).forward)] = cache
+    return DecoderCall(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                       position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs)

@@ -18,6 +18,7 @@ from ringseq.attention import compiled, ring_attention
 from ringseq.attention.decode import decode_attention
 from ringseq.errors import RingSeqError
 
+from . import compiled_decode
 from .cache import DecodeStep
 from .documents import probe_mask_call
 
@@ -55,10 +56,8 @@ def _check_kwargs(kwargs: dict) -> None:
                            f"and supports causal, window, softcap and sink attention only")
 
 
-@torch.compiler.disable
 def _decode_eagerly(module, query, key, value, step: DecodeStep, scaling, sliding_window, softcap, s_aux):
-    """A decode step's attention: the new tokens over every rank's cache shard (eager also under
-    ``torch.compile``: the cache's bookkeeping is Python)."""
+    """A decode step's attention: the new tokens over every rank's cache shard."""
     held = step.cache.last_layer  # the keys this layer's cache just returned: their indices and padding
     if held is None or held.keys is not key:
         raise RingSeqError("a decode step's attention got keys that are not the sharded cache's: this model "
@@ -85,8 +84,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout: float 
     if not getattr(module, "is_causal", True):
         raise RingSeqError("bidirectional attention is not supported; ringseq patches causal decoders")
     if torch.compiler.is_compiling():  # the ring as one op in the compiled graph (``ringseq.attention.compiled``)
-        if isinstance(ringseq, DecodeStep):
-            return _decode_eagerly(module, query, key, value, ringseq, scaling, sliding_window, softcap, s_aux)
+        if isinstance(ringseq, DecodeStep):  # generation's decode step (``patches.compiled_decode``)
+            out = compiled_decode.attend(module, query, key, value, ringseq, scale=scaling, window=sliding_window,
+                                         softcap=softcap, sinks=s_aux)
+            return out.transpose(1, 2).contiguous(), None
         out = compiled.attend(query, key, value, batch=ringseq, scale=scaling, window=sliding_window, softcap=softcap,
                               sinks=s_aux)
         return out.transpose(1, 2).contiguous(), None

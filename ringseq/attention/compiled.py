@@ -88,10 +88,10 @@ def _optional(value, none):
 
 # the ops talk to other processes and keep state on the host: a CUDA graph must never capture them
 # (inductor's CUDA graphs leave graphs with such an op out, or split them around it)
-_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
+OP_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
-@torch.library.custom_op("ringseq::ring_attention", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("ringseq::ring_attention", mutates_args=(), tags=OP_TAGS)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], batch: torch.Tensor,
              scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import ring_attention
@@ -186,7 +186,7 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty((), dtype=torch.long, device="cpu")
 
 
-@torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=_TAGS)
+@torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=OP_TAGS)
 def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     grads = gradients_of(int(call), (dout,))

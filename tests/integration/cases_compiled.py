@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import ringseq
-from ringseq.testing import shared_init
+from ringseq.testing import assert_close, shared_init
 
 from .hf_models import EAGER, check_against, loss_and_grads, make_batch, references, tiny_model
 from .hybrid_configs import MOE_FAMILIES
@@ -395,3 +395,81 @@ def router_logits_compiled(family: str = "qwen3_5_moe"):
     for m in (eager, model):
         ringseq.unpatch(m)
     return where
+
+
+def generation(family: str, how: str, fail_at: int | None = None, backend: str = "aot_eager"):
+    """``generate`` on a patched model compiled ``how`` ("method": ``model.compile()``, "forward":
+    ``model.forward = torch.compile(model.forward)``): its tokens are the unpatched fp32 model's and
+    the float64 model's, every step's scores within the 2x rule of the unpatched fp32 model's against
+    float64; every decode step's attention is the op (``patches.compiled_decode``); no graph break,
+    at most 2 graphs (the first step's, then one with the cache's length dynamic). Then, with
+    ``fail_at``, a second generate where the last rank's decode partial fails at that call: every
+    rank raises in that step (the failing rank its own error, its peers a RingSeqError naming it)."""
+    from torch._dynamo.utils import counters
+
+    import ringseq.patches.compiled_decode as compiled_decode
+    from ringseq.attention import decode
+
+    from .cases_generation import SETTINGS, _generating, prompt
+
+    torch._dynamo.reset()
+    counters.clear()
+    world = dist.get_world_size()
+    sp = shared_init(sp_size=world)
+    S, new = 21 * world + 3, 6
+    ids, mask = prompt(2, S, left_pad=family not in EAGER)
+    base = _generating(tiny_model(family, torch.float64))
+    plain = {dtype: copy.deepcopy(base).to(dtype).generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
+                                                           **SETTINGS) for dtype in (torch.float64, torch.float32)}
+    model = ringseq.patch(copy.deepcopy(base).float(), sp=sp)
+    if how == "method":
+        model.compile(backend=backend)
+    else:
+        model.forward = torch.compile(model.forward, backend=backend)
+    calls, original = [0], compiled_decode.decode_attention
+
+    def counted(*args, **kwargs):
+        calls[0] += 1
+        return original(*args, **kwargs)
+
+    compiled_decode.decode_attention = counted
+    try:
+        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **SETTINGS)
+    finally:
+        compiled_decode.decode_attention = original
+    where = f"{family} generate compiled ({how}, {backend}) rank {sp.rank}/{world}"
+    assert torch.equal(got.sequences, plain[torch.float32].sequences), f"{where}: {got.sequences[:, S:]}"
+    assert torch.equal(got.sequences, plain[torch.float64].sequences), f"{where}: float64 decodes other tokens"
+    for i, (g, p, r) in enumerate(zip(got.scores, plain[torch.float32].scores, plain[torch.float64].scores)):
+        assert_close(g, p, r, f"{where} scores of step {i}")
+    attention = sum(1 for layer in got.past_key_values.layers if hasattr(layer, "positions"))
+    assert calls[0] >= (new - 1) * attention > 0, f"{where}: {calls[0]} decode ops for {new - 1} steps"
+    assert not counters["graph_break"], f"{where}: graph breaks: {dict(counters['graph_break'])}"
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2, f"{where}: {counters['stats']['unique_graphs']} graphs"
+    if fail_at is not None:
+        _a_decode_failure(model, ids, mask, fail_at, sp, where, decode)
+    ringseq.unpatch(model)
+    return where
+
+
+def _a_decode_failure(model, ids, mask, fail_at: int, sp, where: str, decode) -> None:
+    from .cases_generation import SETTINGS
+
+    victim, original, seen = sp.rank == sp.size - 1, decode.partial, [0]
+
+    def partial(*args, **kwargs):
+        seen[0] += 1
+        if victim and seen[0] == fail_at:
+            raise MemoryError("injected: decode attention ran out of memory")
+        return original(*args, **kwargs)
+
+    decode.partial = partial
+    try:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **SETTINGS)
+        raised = None
+    except (ringseq.RingSeqError, MemoryError) as exc:
+        raised = exc
+    finally:
+        decode.partial = original
+    assert isinstance(raised, MemoryError if victim else ringseq.RingSeqError), (where, raised)
+    assert victim or f"global rank {sp.ranks[-1]}" in str(raised), (where, str(raised))
