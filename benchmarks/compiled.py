@@ -236,6 +236,25 @@ def plot(records, path):
     common.save_figure(fig, [ax], path)
 
 
+def plot_generate(records, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    groups = sorted({(r["system"], r["P"]) for r in records}, key=lambda g: (g[0] != "unpatched", g[1]))
+    labels = [f"{s}" + (f" P={P}" if s == "ringseq" else " (1 process)") for s, P in groups]
+    for i, mode in enumerate(("eager", "compiled")):
+        rates = [next(r["decode_tokens_per_s"] for r in records if (r["system"], r["P"], r["mode"]) == (*g, mode))
+                 for g in groups]
+        ax.bar([j + i * 0.4 for j in range(len(groups))], rates, 0.4, label=mode)
+    ax.set_xticks([j + 0.2 for j in range(len(groups))], labels)
+    r = records[0]
+    ax.set(ylabel="decode tokens/s", title=f"{r['family']}: decode after {r['N']} tokens (CPU, inductor)")
+    common.save_figure(fig, [ax], path)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("parts", nargs="*", help="speed, lengths and/or generate (default: speed and lengths)")
@@ -253,7 +272,7 @@ def main(argv=None):
     if set(parts) - {"speed", "lengths", "generate"}:
         parser.error(f"unknown parts {sorted(set(parts) - {'speed', 'lengths', 'generate'})}: choose speed, "
                      f"lengths and/or generate")
-    path = common.fresh_file(args.out, "compiled.jsonl")
+    path = common.fresh_file(args.out, "compiled.jsonl") if {"speed", "lengths"} & set(parts) else None
     if "speed" in parts:
         records = []
         for record in common.run_tree(_unpatched, 1, 1, args.n, args.reps, args.family):
@@ -268,11 +287,14 @@ def main(argv=None):
         for record in common.run_tree(varying, 2, 1, args.n, args.rows, args.seed):
             common.emit(record, path)
     if "generate" in parts:
-        for record in common.run_tree(_unpatched, 1, 1, args.n, args.reps, args.family, decoding, args.new):
-            common.emit(record, path)
-        for P in args.sizes:
-            for record in common.run_tree(decoding, P, 1, args.n, args.new, args.reps, True, args.family):
+        path, records = common.fresh_file(args.out, "compiled_generate.jsonl"), []
+        runs = [(_unpatched, 1, args.n, args.reps, args.family, decoding, args.new)]
+        runs += [(decoding, P, args.n, args.new, args.reps, True, args.family) for P in args.sizes]
+        for fn, P, *rest in runs:
+            for record in common.run_tree(fn, P, 1, *rest):
                 common.emit(record, path)
+                records.append(record)
+        plot_generate(records, os.path.join(args.out, "compiled_generate.png"))
 
 
 if __name__ == "__main__":

@@ -27,6 +27,8 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
                  the default on the CPU: loss and gradients against the unpatched eager model, graph
                  breaks, and the step time against the eager patched model's (docs/compile.md); on the
                  CPU aot_eager only (the row's own code, in seconds; inductor's: benchmarks/compiled.py).
+                 Then each model's ``generate`` after ``model.compile()`` (the decode ops; inductor's
+                 default on CUDA), fp32: tokens and scores against the unpatched model, decode speed.
 (6) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
                  of a patched tiny Llama against the unpatched model's (on the CPU: skipped, the tests
                  run it at 2 and 4 processes).
@@ -279,6 +281,68 @@ def check_compiled(args, rows):
         made = make(args, rows, "compiled")
         if made is not None:
             _compiled_rows(args, rows, name, *made)
+            _compiled_generate(args, rows, name, *made)
+
+
+def _compiled_generate(args, rows, name, sp, S, config, base, batch, new: int = 16):
+    """``generate`` on the patched model after ``model.compile()`` (the decode ops), fp32: its tokens the
+    unpatched eager model's, every step's scores within the 2x rule against float64; decode speed against
+    the eager patched model's (a generate of ``new`` + 1 tokens minus one of 1 token)."""
+    from torch._dynamo.utils import counters
+
+    mode = "default" if args.device == "cuda" else "aot_eager"
+    row = dict(check="compiled", model=name, part="generate", S=S, device=args.device, dtype="fp32", mode=mode)
+    if not args.time_left():
+        _record(rows, **row, ok=True, skipped="out of time (--budget-s)")
+        return
+    ids = batch["input_ids"].to(args.device)
+
+    def model_of(dtype, patched):
+        cfg = copy.deepcopy(config)
+        cfg.use_cache = True
+        model = type(base)(cfg).to(args.device, dtype).eval()
+        model.load_state_dict(base.state_dict())
+        return ringseq.patch(model, sp=sp) if patched else model
+
+    def generate(model, n=new + 1):
+        with torch.no_grad():
+            out = model.generate(input_ids=ids, max_new_tokens=n, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, output_scores=True)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    def decode_s(model):
+        best = float("inf")
+        for _ in range(args.reps):
+            start = time.perf_counter()
+            generate(model)
+            middle = time.perf_counter()
+            generate(model, 1)
+            best = min(best, (middle - start) - (time.perf_counter() - middle))
+        return best
+
+    try:
+        plain, ref = generate(model_of(torch.float32, False)), generate(model_of(torch.float64, False))
+        eager = model_of(torch.float32, True)
+        eager_s = decode_s(eager)
+        torch._dynamo.reset()
+        counters.clear()
+        model = model_of(torch.float32, True)
+        model.compile(**({"backend": "aot_eager"} if mode == "aot_eager" else {}))
+        start = time.perf_counter()
+        got = generate(model)
+        first = time.perf_counter() - start
+        breaks = sum(counters["graph_break"].values())
+        assert breaks == 0, f"{breaks} graph breaks: {dict(counters['graph_break'])}"
+        assert torch.equal(got.sequences, plain.sequences), "the compiled model decodes other tokens"
+        _check([tolerance.within(g.float().cpu(), p.float().cpu(), r.cpu(), f"scores of step {i}")
+                for i, (g, p, r) in enumerate(zip(got.scores, plain.scores, ref.scores))])
+        _record(rows, **row, ok=True, first_generate_s=round(first, 2), graphs=counters["stats"]["unique_graphs"],
+                compiled_over_eager_decode_speed=round(eager_s / decode_s(model), 3))
+        ringseq.unpatch(eager)
+    except Exception as exc:  # an inductor failure is this row's finding, not the end of the check
+        _record(rows, **row, ok=False, error=f"{type(exc).__name__}: {str(exc)[:300]}")
 
 
 def _compiled_rows(args, rows, name, sp, S, config, base, batch):

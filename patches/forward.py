@@ -105,15 +105,15 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     step = _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
                     num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache,
                     kwargs)
-    if isinstance(step, generation.DecoderCall):  # generation's decode step: the decoder over the group's cache (compiled too)
+    if isinstance(step, generation.DecoderCall):  # a decode step: the decoder over the group's cache (compiled too)
         try:
-            hidden = self.get_decoder()(**step).last_hidden_state
+            hidden = step.run(self)
         except RingSeqError:
             raise
         except BaseException as exc:
             _failed(self._ringseq_patch, exc, "a decode step")
             raise
-        return generation.decoded(self, self._ringseq_patch, step["ringseq"].cache, hidden, logits_to_keep)
+        return generation.decoded(self, self._ringseq_patch, step.cache, hidden, logits_to_keep)
     if not isinstance(step, _Step):
         return step  # a generation call's output (the prefill's)
     try:
@@ -142,9 +142,8 @@ def _failed(handle, exc: BaseException, what: str = "the patched forward") -> No
 def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
              num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache, kwargs):
     """Everything before the decoder: checks, the engine, the batch, the fit switches and
-    checkpointing. A generation call's prefill (and a VLM's decode step) is run whole here, its
-    output returned instead of a step; a text model's decode step returns its decoder's keyword
-    arguments (``patches.generation.cached_forward``)."""
+    checkpointing. A generation call's prefill is run whole here, its output returned instead of
+    a step; a decode step returns what runs its decoder (``patches.generation.cached_forward``)."""
     handle = self._ringseq_patch
     if past_key_values is None:  # transformers >= 5.24 names it ``cache`` (and validates generate's kwargs by it)
         past_key_values = cache

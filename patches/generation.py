@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
+import functools
 import inspect
 import types
 
@@ -180,16 +182,17 @@ def _signed(target, vlm: bool):
     if not vlm:
         yield
         return
-    patched = vars(target)["forward"]
-    func = patched.__func__
+    patched = vars(target)["forward"]  # bound, or the caller's torch.compile of it (which wraps it)
 
+    @functools.partial(torch.compiler.disable, recursive=False)  # as the patched forward: its decoder compiles
     def forward(self, *args, **kwargs):
-        return func(self, *args, **kwargs)
+        return patched(*args, **kwargs)
 
-    own = inspect.signature(func)
-    params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
+    own = inspect.signature(patched)  # without ``self``
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    params += [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD]
     extra = [p.replace(kind=p.KEYWORD_ONLY) for name, p in inspect.signature(type(target).forward).parameters.items()
-             if name not in own.parameters and name != "mm_encoder_outputs"
+             if name not in own.parameters and name not in ("self", "mm_encoder_outputs")
              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
     rest = [p for p in own.parameters.values() if p.kind is p.VAR_KEYWORD]
     forward.__signature__ = own.replace(parameters=params + extra + rest)
@@ -237,8 +240,23 @@ def _last_hidden(hidden: torch.Tensor, batch) -> torch.Tensor:
     return mine
 
 
-class DecoderCall(dict):
-    """A text model's decode step, its bookkeeping done: the decoder's keyword arguments."""
+@dataclasses.dataclass
+class DecoderCall:
+    """A decode step, its bookkeeping done: what runs its decoder (the language model of a VLM,
+    through the VLM's inner model: ``vision_generation.decoded``)."""
+
+    kwargs: dict
+    vision: bool = False
+
+    @property
+    def cache(self) -> ShardedCache:
+        return self.kwargs["cache"] if self.vision else self.kwargs["ringseq"].cache
+
+    def run(self, model) -> torch.Tensor:
+        """The decoder's last hidden states of the new tokens (traced under ``torch.compile``)."""
+        if self.vision:
+            return vision_generation.decoded(model, **self.kwargs)
+        return model.get_decoder()(**self.kwargs).last_hidden_state
 
 
 def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, logits_to_keep,
@@ -266,12 +284,9 @@ def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mas
         out, batch = _failing(handle.sp, "the prefill", prefill, model, handle, cache, input_ids, inputs_embeds,
                               attention_mask, position_ids, kwargs, sharded=True)
         return _finished(model, handle, cache, _last_hidden(out.last_hidden_state, batch))
-    if handle.vision is not None:
-        hidden = _failing(handle.sp, "a decode step", vision_generation.decode, model, handle, cache, input_ids,
-                          inputs_embeds, attention_mask, position_ids, kwargs)
-        return decoded(model, handle, cache, hidden, logits_to_keep)
-    return _failing(handle.sp, "a decode step", _decode, model, handle, cache, input_ids, inputs_embeds,
-                    attention_mask, position_ids, kwargs)
+    decode = vision_generation.decode if handle.vision is not None else _decode
+    return DecoderCall(_failing(handle.sp, "a decode step", decode, model, handle, cache, input_ids, inputs_embeds,
+                                attention_mask, position_ids, kwargs), vision=handle.vision is not None)
 
 
 @torch.compiler.disable
@@ -321,8 +336,8 @@ def _prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, pos
     return out, batch
 
 
-def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs) -> DecoderCall:
-    """A decode step of a text model, up to its decoder."""
+def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs) -> dict:
+    """A decode step of a text model, up to its decoder: the decoder's keyword arguments."""
     sp = handle.sp
     tokens = input_ids if input_ids is not None else inputs_embeds
     B, n = tokens.shape[:2]
@@ -337,5 +352,5 @@ def _decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
                                                                                   device=tokens.device)
     decode = cache.begin_step(n, valid)
     kwargs[cache_name(type(model.get_decoder()).forward)] = cache
-    return DecoderCall(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
-                       position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs)
+    return dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                position_ids=position_ids, use_cache=True, ringseq=decode, **kwargs)

@@ -80,10 +80,9 @@ def prefill(model, handle, cache, input_ids, inputs_embeds, attention_mask, posi
     return out, seen["batch"]
 
 
-def decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs):
-    """A decode step through the VLM: the new text tokens' embeddings and positions as the
-    unpatched model makes them, its language model over the group's cache. Returns the language
-    model's last hidden states of the new tokens (the same on every rank)."""
+def decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, kwargs) -> dict:
+    """A decode step through the VLM, up to its inner model: the checks and the cache's
+    bookkeeping (eagerly), and ``decoded``'s arguments."""
     for key in ("pixel_values", "pixel_values_videos"):
         if kwargs.get(key) is not None:
             raise RingSeqError(f"{key} in a decode step: a patched VLM takes its images with the prompt (the "
@@ -99,17 +98,16 @@ def decode(model, handle, cache, input_ids, inputs_embeds, attention_mask, posit
                            f"{cache.seen} and {n} come now")
     valid = attention_mask[:, -n:] if attention_mask is not None else torch.ones(B, n, dtype=torch.long,
                                                                                   device=tokens.device)
+    return dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                position_ids=position_ids, kwargs=kwargs, cache=cache, step=cache.begin_step(n, valid))
 
-    def decoded(inner, inputs_embeds, use_cache=None, **lm_kwargs):
-        lm_kwargs.pop("past_key_values", None)
-        lm_kwargs.pop("cache", None)
-        if lm_kwargs.get("visual_pos_masks") is not None and bool(lm_kwargs["visual_pos_masks"].any()):
-            raise RingSeqError("an image token among the new tokens of a decode step: a patched VLM takes its "
-                               "images with the prompt")
-        step_batch = cache.begin_step(n, valid)
-        return inner(inputs_embeds=inputs_embeds, use_cache=True, ringseq=step_batch, **{cache_name(inner): cache},
-                     **lm_kwargs)
 
-    out = vision.through_base(model, decoded, input_ids=input_ids, inputs_embeds=inputs_embeds,
-                              attention_mask=attention_mask, position_ids=position_ids, kwargs=kwargs, cache=cache)
-    return out.last_hidden_state
+def decoded(model, *, input_ids, inputs_embeds, attention_mask, position_ids, kwargs, cache, step):
+    """A decode step's inner model (compiled under ``torch.compile``): the new text tokens'
+    embeddings and positions as the unpatched model makes them, its language model over the
+    group's cache (the step reaches its attention layers as the model's keyword arguments do).
+    Returns the language model's last hidden states of the new tokens (the same on every rank)."""
+    base, _ = vision.multimodal_model(model)
+    return base(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                position_ids=position_ids, use_cache=True, ringseq=step, **{cache_name(type(base).forward): cache},
+                **kwargs).last_hidden_state

@@ -397,14 +397,16 @@ def router_logits_compiled(family: str = "qwen3_5_moe"):
     return where
 
 
-def generation(family: str, how: str, fail_at: int | None = None, backend: str = "aot_eager"):
+def generation(family: str, how: str, fail_at: int | None = None, backend: str = "aot_eager", vlm: bool = False):
     """``generate`` on a patched model compiled ``how`` ("method": ``model.compile()``, "forward":
     ``model.forward = torch.compile(model.forward)``): its tokens are the unpatched fp32 model's and
     the float64 model's, every step's scores within the 2x rule of the unpatched fp32 model's against
     float64; every decode step's attention is the op (``patches.compiled_decode``); no graph break,
     at most 2 graphs (the first step's, then one with the cache's length dynamic). Then, with
     ``fail_at``, a second generate where the last rank's decode partial fails at that call: every
-    rank raises in that step (the failing rank its own error, its peers a RingSeqError naming it)."""
+    rank raises in that step (the failing rank its own error, its peers a RingSeqError naming it).
+    ``vlm``: a vision-language model on a prompt with images (the decode step through its inner
+    model, its language model compiled with the rest)."""
     from torch._dynamo.utils import counters
 
     import ringseq.patches.compiled_decode as compiled_decode
@@ -416,11 +418,24 @@ def generation(family: str, how: str, fail_at: int | None = None, backend: str =
     counters.clear()
     world = dist.get_world_size()
     sp = shared_init(sp_size=world)
-    S, new = 21 * world + 3, 6
-    ids, mask = prompt(2, S, left_pad=family not in EAGER)
-    base = _generating(tiny_model(family, torch.float64))
-    plain = {dtype: copy.deepcopy(base).to(dtype).generate(input_ids=ids, attention_mask=mask, max_new_tokens=new,
-                                                           **SETTINGS) for dtype in (torch.float64, torch.float32)}
+    S, new = (32 * world - 1 if vlm else 21 * world + 3), 6
+    if vlm:
+        from .cases_vlm import in_dtype
+        from .cases_vlm_generation import _generating as _vlm_generating, vlm_prompt
+        from .vlm_models import tiny_model as tiny_vlm
+
+        inputs = vlm_prompt(family, S)
+        base = _vlm_generating(tiny_vlm(family, torch.float64))
+    else:
+        ids, mask = prompt(2, S, left_pad=family not in EAGER)
+        inputs = dict(input_ids=ids, attention_mask=mask)
+        base = _generating(tiny_model(family, torch.float64))
+
+    def given(dtype):
+        return in_dtype(inputs, dtype) if vlm else inputs
+
+    plain = {dtype: copy.deepcopy(base).to(dtype).generate(**given(dtype), max_new_tokens=new, **SETTINGS)
+             for dtype in (torch.float64, torch.float32)}
     model = ringseq.patch(copy.deepcopy(base).float(), sp=sp)
     if how == "method":
         model.compile(backend=backend)
@@ -434,7 +449,7 @@ def generation(family: str, how: str, fail_at: int | None = None, backend: str =
 
     compiled_decode.decode_attention = counted
     try:
-        got = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, **SETTINGS)
+        got = model.generate(**given(torch.float32), max_new_tokens=new, **SETTINGS)
     finally:
         compiled_decode.decode_attention = original
     where = f"{family} generate compiled ({how}, {backend}) rank {sp.rank}/{world}"
@@ -447,12 +462,12 @@ def generation(family: str, how: str, fail_at: int | None = None, backend: str =
     assert not counters["graph_break"], f"{where}: graph breaks: {dict(counters['graph_break'])}"
     assert 1 <= counters["stats"]["unique_graphs"] <= 2, f"{where}: {counters['stats']['unique_graphs']} graphs"
     if fail_at is not None:
-        _a_decode_failure(model, ids, mask, fail_at, sp, where, decode)
+        _a_decode_failure(model, given(torch.float32), fail_at, sp, where, decode)
     ringseq.unpatch(model)
     return where
 
 
-def _a_decode_failure(model, ids, mask, fail_at: int, sp, where: str, decode) -> None:
+def _a_decode_failure(model, inputs: dict, fail_at: int, sp, where: str, decode) -> None:
     from .cases_generation import SETTINGS
 
     victim, original, seen = sp.rank == sp.size - 1, decode.partial, [0]
@@ -465,7 +480,7 @@ def _a_decode_failure(model, ids, mask, fail_at: int, sp, where: str, decode) ->
 
     decode.partial = partial
     try:
-        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, **SETTINGS)
+        model.generate(**inputs, max_new_tokens=4, **SETTINGS)
         raised = None
     except (ringseq.RingSeqError, MemoryError) as exc:
         raised = exc

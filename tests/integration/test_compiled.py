@@ -105,3 +105,11 @@ def test_generation_compiled(pool2, pool4):
     is one module shared by two layers (Zamba2, ``torch.compile(model.forward)``)."""
     pool4.run(cases_compiled.generation, "llama", "method", fail_at=3)
     pool2.run(cases_compiled.generation, "zamba2", "forward")
+
+
+def test_vlm_generation_compiled(pool2):
+    """generate on a compiled patched VLM (images in the prompt): the decode step through its inner
+    model, its language model's attention the op: Qwen2.5-VL with ``model.compile()``, Gemma 3 with
+    ``torch.compile(model.forward)``, each against the unpatched model."""
+    pool2.run(cases_compiled.generation, "qwen2_5_vl", "method", vlm=True)
+    pool2.run(cases_compiled.generation, "gemma3", "forward", vlm=True)
