@@ -10,21 +10,23 @@ implementations (shapes only), so a decoder layer compiles as one graph with the
 What a call needs of its batch (documents, padding, the batch's layout, the sequence group,
 head groups) reaches the op as a 0-d int64 tensor naming the batch (``ShardedBatch.key``,
 ``register_batch``): a graph input, so a new batch of the same shape is no recompile, and
-nothing batch-dependent is a constant of the graph. The forward keeps its eager autograd graph
-(the ring's saved q, k, v, output and log-sum-exp, as eager autograd would; q, k and v copied, so
-that the compiled graph may reuse its own buffers) under a number it returns as a second 0-d
-tensor; the backward op takes that graph back by the number and runs it. A forward whose backward
-never runs (a loss dropped with grad enabled) is forgotten after ``KEEP_BATCHES`` newer batches; a
-backward later than that is refused by name.
+nothing batch-dependent is a constant of the graph. The forward runs the ring without autograd
+and keeps what eager keeping keeps (``ringseq.attention.keep``: the ring's log-sum-exp, and its
+output where it is not the op's own) with the batch, under a number it returns as a second 0-d
+tensor. The backward op takes q, k, v and the output from the compiled graph (its autograd saves
+them, or recomputes q, k and v under selective checkpointing), rebuilds the ring's autograd around
+the kept output (no transfer, no block compute) and runs the eager ring's backward. A forward whose
+backward never runs (a loss dropped with grad enabled) is forgotten after ``KEEP_BATCHES`` newer
+batches; a backward later than that is refused by name.
 
 The batch registry and the kept graphs (``batch_of``, ``keep_graph``, ``gradients_of``) serve the
-recurrent layers' op too (``ringseq.patches.compiled_mixers``).
+recurrent layers' op too (``ringseq.patches.compiled_mixers``), which keeps its eager graph.
 
 Activation checkpointing under compile (``ringseq.attention.keep.save_ring``): the ring op's outputs are
 saved, the rest of the layer recomputed, so the op never runs in a backward; a recompute that
 would run it (torch's checkpoint without the policy) is refused. An eager checkpoint around a
 compiled layer (``ringseq.attention.keep``) keeps the ring's outputs as eagerly: its first forward
-keeps no graph, its recompute keeps one from the kept outputs.
+keeps nothing of its own, its recompute takes the kept outputs.
 """
 from __future__ import annotations
 
@@ -55,7 +57,12 @@ class _Pending:
     leaves: tuple
 
 
-_pending: dict[int, _Pending] = {}
+_pending: dict[int, object] = {}
+"""What each compiled call kept for its backward, by call number: a recurrent op's ``_Pending`` graph,
+a ring call's ``_Kept`` output."""
+GONE = (f"the backward of a compiled ringseq op found its forward's graph gone: ringseq keeps it for the "
+        f"{KEEP_BATCHES} latest batches (or it ran already). Run each batch's backward before {KEEP_BATCHES} more "
+        f"batches go forward")
 _waiting: list[int] = []
 """The batches (numbers, oldest first) whose compiled calls kept a graph, the latest ``KEEP_BATCHES``."""
 
@@ -91,24 +98,66 @@ def _optional(value, none):
 OP_TAGS = tuple(t for t in (getattr(torch.Tag, "cudagraph_unsafe", None),) if t is not None)
 
 
+@dataclasses.dataclass
+class _Kept:
+    """What a compiled ring call keeps for its backward: the ring's output and log-sum-exp (its
+    ``keep.Kept`` entries, as eager keeping holds them), the batch (held until then) and the call's
+    arguments. Not q, k and v: the backward op takes them from the compiled graph, which saves or
+    recomputes them (under selective checkpointing: recomputes)."""
+
+    batch: int
+    found: object
+    entries: list
+    args: tuple
+
+
+class _Capture(keep.Kept):
+    """The store one compiled ring call runs with: it records what the call computes (or takes
+    from the store of an eagerly checkpointed layer around it, whose recompute this is)."""
+
+    def __init__(self, outer: keep.Kept | None):
+        super().__init__()
+        self.outer = outer
+
+    def put(self, out, lse, aux) -> None:
+        if self.outer is not None:
+            self.outer.put(out, lse, aux)
+        self.entries.append((out.detach(), lse, aux))
+
+    def take(self, q):
+        got = None if self.outer is None else self.outer.take(q)
+        if got is not None:
+            self.entries.append(got)
+        return got
+
+
+def _ring(found, q, k, v, sinks, args):
+    from .api import ring_attention
+
+    scale, window, softcap = args
+    return ring_attention(q, k, v, sp=found.sp, causal=True, scale=_optional(scale, -1.0),
+                          window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=sinks,
+                          token_info=found.info, head_groups=found.head_groups)
+
+
 @torch.library.custom_op("ringseq::ring_attention", mutates_args=(), tags=OP_TAGS)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], batch: torch.Tensor,
              scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    from .api import ring_attention
-
     refuse_recompute("ring_attention")
     found = batch_of(batch)
     retain = keeps_graph(train)
-    with _autograd(), torch.set_grad_enabled(retain):
-        # the kept graph owns copies of its inputs: the compiled graph may reuse their memory once
-        # they are dead in it (under selective checkpointing they are recomputed, not saved)
-        leaves = tuple(None if t is None else (t.detach().clone() if retain and t is not sinks else t.detach())
-                       .requires_grad_(retain) for t in (q, k, v, sinks))
-        out = ring_attention(*leaves[:3], sp=found.sp, causal=True, scale=_optional(scale, -1.0),
-                             window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=leaves[3],
-                             token_info=found.info, head_groups=found.head_groups)
-    call = keep_graph(int(batch), (out,), tuple(t for t in leaves if t is not None)) if retain else 0
-    # a copy: the compiled graph may reuse a dead output's memory, and the kept graph saved this one
+    capture = _Capture(keep.current()) if retain else None
+    with torch.no_grad(), keep.using(capture) if retain else contextlib.nullcontext():
+        out = _ring(found, q, k, v, sinks, (scale, window, softcap))
+    call = 0
+    if retain:
+        call = next(_call_numbers)
+        # the ring's own output is the op's (no Ulysses, no padded head dim): the backward gets it from the
+        # compiled graph, which saves it anyway, rather than from a second copy here
+        entries = [(None if tuple(e[0].shape) == tuple(out.shape) else e[0], *e[1:]) for e in capture.entries]
+        _pending[call] = _Kept(int(batch), found, entries, (scale, window, softcap))
+        _forget_old(int(batch))
+    # a copy: the compiled graph may reuse a dead output's memory, and the kept entries hold this one
     return out.detach().clone(memory_format=torch.contiguous_format), torch.tensor(call, dtype=torch.long)
 
 
@@ -156,9 +205,7 @@ def gradients_of(call: int, douts) -> list:
     contiguous and aliasing neither ``douts`` nor another: an op's outputs may not alias."""
     pending = _pending.pop(call, None)
     if pending is None:
-        raise RingSeqError(f"the backward of a compiled ringseq op found its forward's graph gone: ringseq keeps it "
-                           f"for the {KEEP_BATCHES} latest batches (or it ran already). Run each batch's backward "
-                           f"before {KEEP_BATCHES} more batches go forward")
+        raise RingSeqError(GONE)
     with _autograd():
         grads = torch.autograd.grad(pending.outs, pending.leaves, douts, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, pending.leaves)]
@@ -187,32 +234,44 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train):
 
 
 @torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=OP_TAGS)
-def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
-              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    grads = gradients_of(int(call), (dout,))
-    if sinks is not None and grads[3].untyped_storage().data_ptr() == sinks.untyped_storage().data_ptr():
-        grads[3] = grads[3].clone()  # an op's outputs may not alias its inputs
+def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              sinks: Optional[torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                      torch.Tensor]:
+    kept = _pending.pop(int(call), None)
+    if kept is None:
+        raise RingSeqError(GONE)
+    replay = keep.Kept()
+    replay.entries, replay.replaying = [(out if e[0] is None else e[0], *e[1:]) for e in kept.entries], True
+    with _autograd(), torch.enable_grad(), keep.using(replay):  # the ring rebuilt around its kept output: no compute
+        leaves = tuple(None if t is None else t.detach().requires_grad_() for t in (q, k, v, sinks))
+        out = _ring(kept.found, *leaves, kept.args)
+        grads = torch.autograd.grad(out, [t for t in leaves if t is not None], dout, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, leaves)]
+    inputs = {t.untyped_storage().data_ptr() for t in (dout, q, k, v, sinks, out) if t is not None}
+    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
+        if g.untyped_storage().data_ptr() in inputs:
+            grads[i] = g = g.clone()
+        inputs.add(g.untyped_storage().data_ptr())
     if sinks is None:
         grads.append(dout.new_empty(0))
     return tuple(grads)
 
 
 @_backward.register_fake
-def _(dout, call, q_shape, k_shape, v_shape, sinks):
-    return (dout.new_empty(q_shape), dout.new_empty(k_shape), dout.new_empty(v_shape),
-            dout.new_empty(0) if sinks is None else torch.empty_like(sinks))
+def _(dout, call, q, k, v, sinks, out):
+    return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous, as the op makes them
+            dout.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
 
 def _setup(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
     ctx.sinks = sinks is not None
-    ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))  # q, k and v themselves are not kept here
-    ctx.save_for_backward(output[1], sinks)
+    ctx.save_for_backward(output[1], q, k, v, sinks, output[0])  # q, k, v: saved or recomputed by the graph
 
 
 def _gradients(ctx, dout, _call):
-    call, sinks = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, *ctx.shapes, sinks)
+    call, q, k, v, sinks, out = ctx.saved_tensors
+    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, q, k, v, sinks, out)
     return dq, dk, dv, dsinks if ctx.sinks else None, None, None, None, None, None
 
 

@@ -81,6 +81,17 @@ def current() -> Kept | None:
     return _current.get()
 
 
+@contextlib.contextmanager
+def using(store: Kept):
+    """``store`` as the current one for the calls inside, as it is (neither reset nor flipped to
+    replaying: the compiled ring op records one call into a store of its own, and replays it)."""
+    token = _current.set(store)
+    try:
+        yield
+    finally:
+        _current.reset(token)
+
+
 def save_ring(ctx, op, *args, **kwargs):
     """A selective checkpointing policy (``torch.utils.checkpoint.create_selective_checkpoint_contexts``)
     that saves the outputs of ringseq's compiled ops (the ring: ``ringseq.attention.compiled``; the
