@@ -5,8 +5,12 @@ and exchanges their states or convolution halos with the other ranks (``ringseq.
 Python that talks to other processes, which dynamo cannot trace. So under ``torch.compile`` each
 call is one opaque op, ``ringseq::recurrent``, whose implementation is that eager path (the
 family's own kernel, the agreed exchanges, the fold), and whose gradient runs the eager graph it
-kept (``ringseq::kept_backward``, as the compiled ring does: ``ringseq.attention.compiled``). The
-mixer around it (projections, gates, norms) compiles with the rest of the layer: one graph.
+kept (``ringseq::kept_backward``). In a compiled checkpointed region (the batch's ``in_checkpoint``
+twin, which ``keep.compiled_checkpoint`` hands the layer) it keeps no graph: its backward,
+``ringseq::recurrent_backward``, runs the kernel again on its inputs (which the compiled graph
+recomputes), exchange included, as eager checkpointing does, and the layer holds no kernel internals
+until its backward. The mixer around it (projections, gates, norms) compiles with the rest of the
+layer: one graph.
 
 A kernel's arguments reach the op as a list of tensors, a list of ints (sizes and flags), a list
 of floats and a string, in the order its ``_Kernel`` names them; the batch as its 0-d ``key``.
@@ -136,7 +140,8 @@ def call(number: int, batch, args: tuple, kwargs: dict):
     floats = [float(x) for n in kernel.floats for x in named[n]] or [0.0]
     text = "" if kernel.text is None or named[kernel.text] is None else str(named[kernel.text])
     train = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
-    out, state, _ = torch.ops.ringseq.recurrent(number, tensors, batch.key, ints, floats, text, train)
+    out, state, _ = torch.ops.ringseq.recurrent(number, tensors, batch.key, ints, floats, text, train,
+                                                batch.checkpointed)
     final = kernel.final is not None and named[kernel.final]
     if final or kernel.pair:
         return out, state if final else None
@@ -165,15 +170,17 @@ def _described(t) -> str:
 
 @torch.library.custom_op("ringseq::recurrent", mutates_args=(), tags=compiled.OP_TAGS)
 def _recurrent(number: int, tensors: list[torch.Tensor], batch: torch.Tensor, ints: list[int],
-               floats: list[float], text: str, train: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+               floats: list[float], text: str, train: bool,
+               recompute: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     name, run = _runners[number]
     compiled.refuse_recompute(name)
     found = compiled.batch_of(batch)
     retain = compiled.keeps_graph(train)
+    graph = retain and not recompute  # else the backward runs the kernel again (``_recurrent_backward``)
     kernel = KERNELS[name]
-    with compiled._autograd(), torch.set_grad_enabled(retain):
+    with compiled._autograd(), torch.set_grad_enabled(graph):
         # the kept graph owns copies of its inputs: the compiled graph may reuse their memory
-        leaves = [(t.detach().clone() if retain else t.detach()).requires_grad_(retain and t.is_floating_point())
+        leaves = [(t.detach().clone() if graph else t.detach()).requires_grad_(graph and t.is_floating_point())
                   for t in tensors]
         result = run(found, **_unbind(kernel, leaves, ints, floats, text))
     out, state = (result, None) if isinstance(result, torch.Tensor) else (result[0], result[1])
@@ -184,14 +191,16 @@ def _recurrent(number: int, tensors: list[torch.Tensor], batch: torch.Tensor, in
                                f"{_described(want)}: this kernel's release is not one ringseq's compiled path "
                                f"knows; run the model without torch.compile")
     call = 0
-    if retain and out.requires_grad:
+    if graph and out.requires_grad:
         call = compiled.keep_graph(int(batch), (out,), tuple(t for t in leaves if t.requires_grad))
+    elif retain and recompute:
+        call = compiled.hold_batch(int(batch), found)
     state = out.new_empty(0) if state is None else state.detach().clone(memory_format=torch.contiguous_format)
     return out.detach().clone(memory_format=torch.contiguous_format), state, torch.tensor(call, dtype=torch.long)
 
 
 @_recurrent.register_fake
-def _(number, tensors, batch, ints, floats, text, train):
+def _(number, tensors, batch, ints, floats, text, train, recompute):
     kernel = KERNELS[_runners[number][0]]
     out, state = kernel.fake(_given(kernel, tensors, ints), ints[1:])
     return out, out.new_empty(0) if state is None else state, torch.empty((), dtype=torch.long, device="cpu")
@@ -216,22 +225,55 @@ def _(dout, call, shapes, ndims, dtypes):
     return grads
 
 
+@torch.library.custom_op("ringseq::recurrent_backward", mutates_args=(), tags=compiled.OP_TAGS)
+def _recurrent_backward(dout: torch.Tensor, call: torch.Tensor, tensors: list[torch.Tensor], number: int,
+                        ints: list[int], floats: list[float], text: str) -> list[torch.Tensor]:
+    """The gradients of the op's floating-point tensor inputs (in order), its kernel run again on them
+    with autograd (under compiled checkpointing the forward kept no graph: what eager checkpointing
+    recomputes, exchange included, every rank in the same order)."""
+    name, run = _runners[number]
+    found = compiled.held_batch(int(call))
+    with compiled._autograd(), torch.enable_grad():
+        leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in tensors]
+        result = run(found, **_unbind(KERNELS[name], leaves, ints, floats, text))
+        out = result if isinstance(result, torch.Tensor) else result[0]
+        wanted = [t for t in leaves if t.requires_grad]
+        grads = torch.autograd.grad(out, wanted, dout, allow_unused=True)
+    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, wanted)]
+    seen = {t.untyped_storage().data_ptr() for t in (dout, *tensors)}
+    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
+        if g.untyped_storage().data_ptr() in seen:
+            grads[i] = g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+    return grads
+
+
+@_recurrent_backward.register_fake
+def _(dout, call, tensors, number, ints, floats, text):
+    return [t.new_empty(t.shape) for t in tensors if t.is_floating_point()]
+
+
 def _setup(ctx, inputs, output):
-    tensors = inputs[1]
+    number, tensors, _, ints, floats, text, _, recompute = inputs
     ctx.differentiable = [t.is_floating_point() for t in tensors]
     kept = [t for t, d in zip(tensors, ctx.differentiable) if d]
     ctx.shapes = [n for t in kept for n in t.shape]
     ctx.ndims = [t.dim() for t in kept]
     ctx.dtypes = [_DTYPES.index(t.dtype) for t in kept]
-    ctx.save_for_backward(output[2])
+    ctx.recompute = (number, ints, floats, text) if recompute else None
+    # recomputing: the inputs, which the compiled graph saves or (checkpointed) recomputes itself
+    ctx.save_for_backward(output[2], *(tensors if recompute else ()))
     ctx.mark_non_differentiable(output[1], output[2])
 
 
 def _gradients(ctx, dout, _state, _call):
-    call, = ctx.saved_tensors
-    grads = iter(torch.ops.ringseq.kept_backward(dout.contiguous(), call, ctx.shapes, ctx.ndims, ctx.dtypes))
+    call, *tensors = ctx.saved_tensors
+    if ctx.recompute is not None:
+        grads = iter(torch.ops.ringseq.recurrent_backward(dout.contiguous(), call, tensors, *ctx.recompute))
+    else:
+        grads = iter(torch.ops.ringseq.kept_backward(dout.contiguous(), call, ctx.shapes, ctx.ndims, ctx.dtypes))
     tensors = [next(grads) if d else None for d in ctx.differentiable]
-    return None, tensors, None, None, None, None, None
+    return None, tensors, None, None, None, None, None, None
 
 
 torch.library.register_autograd("ringseq::recurrent", _gradients, setup_context=_setup)

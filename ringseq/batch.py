@@ -60,11 +60,19 @@ class ShardedBatch:
     head_groups: object = None
     """How the attention layers run their ring calls on this batch: the patched model's
     ``patch(head_groups=)`` (None: one ring for all heads; ``ring_attention``'s ``head_groups``)."""
+    checkpointed: bool = False
+    """This batch as the layers of a compiled checkpointed region see it (``in_checkpoint``)."""
     key: torch.Tensor = dataclasses.field(init=False, repr=False)
     """A 0-d int64 tensor naming this batch to the compiled ring ops (``ringseq.attention.compiled``)."""
+    in_checkpoint: "ShardedBatch" = dataclasses.field(init=False, repr=False)
+    """This batch for the layers of a compiled checkpointed region (``ringseq.attention.keep.compiled_checkpoint``):
+    the same facts under a key of its own, made with the batch (never while dynamo traces), so that
+    the recurrent layers' op knows to recompute its kernel in the backward rather than keep its graph."""
 
     def __post_init__(self):
         object.__setattr__(self, "key", register_batch(self))
+        twin = self if self.checkpointed else dataclasses.replace(self, checkpointed=True)
+        object.__setattr__(self, "in_checkpoint", twin)
 
     @property
     def padded_length(self) -> int:

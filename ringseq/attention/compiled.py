@@ -200,6 +200,29 @@ def keep_graph(number: int, outs: tuple, leaves: tuple) -> int:
     return call
 
 
+def kept_graphs() -> set[int]:
+    """The calls whose eager autograd graphs compiled ops keep for their backward now (what compiled
+    checkpointing must not keep: it holds ring outputs and batches only)."""
+    return {call for call, p in _pending.items() if isinstance(p, _Pending)}
+
+
+def hold_batch(number: int, found) -> int:
+    """Hold ``found`` (batch ``number``) for a compiled op's backward, which recomputes its eager
+    part (a recurrent layer's kernel under compiled checkpointing), under a new call number."""
+    call = next(_call_numbers)
+    _pending[call] = _Kept(number, found, [], ())
+    _forget_old(number)
+    return call
+
+
+def held_batch(call: int):
+    """The batch ``hold_batch`` held for ``call`` (once)."""
+    kept = _pending.pop(call, None)
+    if kept is None:
+        raise RingSeqError(GONE)
+    return kept.found
+
+
 def gradients_of(call: int, douts) -> list:
     """The kept graph ``call``'s gradients for its leaves (zeros where a leaf was unused), each
     contiguous and aliasing neither ``douts`` nor another: an op's outputs may not alias."""

@@ -110,6 +110,10 @@ def compiled_checkpoint(function, *args, **kwargs):
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     kwargs = {k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn")}
+    batch = function.keywords.get("ringseq") if isinstance(function, functools.partial) else None
+    if getattr(batch, "in_checkpoint", None) is not None:  # transformers' layer call: its kwargs bound in a partial
+        function = functools.partial(function.func, *function.args,
+                                     **{**function.keywords, "ringseq": batch.in_checkpoint})
     return checkpoint(function, *args, use_reentrant=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, save_ring), **kwargs)
 

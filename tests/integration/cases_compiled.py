@@ -42,6 +42,8 @@ def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpoin
     most of a compile's seconds)."""
     from torch._dynamo.utils import counters
 
+    from ringseq.attention import compiled
+
     torch._dynamo.reset()
     counters.clear()
     world = dist.get_world_size()
@@ -59,7 +61,11 @@ def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpoin
     for i, batch in enumerate(batches):
         _, refs = references(family, batch)
         model.zero_grad(set_to_none=True)
+        before = compiled.kept_graphs()
         loss = run(**batch).loss
+        # checkpointed, as eager keeping: the ring's output kept, a recurrent kernel run again in the backward
+        kept = compiled.kept_graphs() - before
+        assert not checkpointing or not kept, f"{where}: {len(kept)} eager graphs kept"
         loss.backward()
         grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
         check_against(refs, loss.detach(), grads, sp, f"{where}, step {i + 1}")
