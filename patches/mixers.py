@@ -160,13 +160,17 @@ def _named(original, name: str):
 
 
 _dispatchers = itertools.count(1)
+_numbers: dict[tuple, int] = {}
+"""(kernel, name) -> its dispatcher's number: one per kernel, however often its module is patched anew."""
 
 
 def _dispatcher(original, name: str):
     kernel = _named(original, name)
-    number = next(_dispatchers)
-    if name in compiled_mixers.KERNELS:  # under torch.compile: one op (``patches.compiled_mixers``)
-        compiled_mixers.register(number, name, lambda batch, **kw: SHARDED[name](kernel, batch, **kw))
+    number = _numbers.get((original, name))
+    if number is None:
+        number = _numbers[original, name] = next(_dispatchers)
+        if name in compiled_mixers.KERNELS:  # under torch.compile: one op (``patches.compiled_mixers``)
+            compiled_mixers.register(number, name, lambda batch, **kw: SHARDED[name](kernel, batch, **kw))
 
     @functools.wraps(kernel)
     def dispatch(*args, ringseq=None, **kwargs):

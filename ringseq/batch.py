@@ -64,13 +64,14 @@ class ShardedBatch:
     """This batch as the layers of a compiled checkpointed region see it (``in_checkpoint``)."""
     key: torch.Tensor = dataclasses.field(init=False, repr=False)
     """A 0-d int64 tensor naming this batch to the compiled ring ops (``ringseq.attention.compiled``)."""
-    in_checkpoint: "ShardedBatch" = dataclasses.field(init=False, repr=False)
-    """This batch for the layers of a compiled checkpointed region (``ringseq.attention.keep.compiled_checkpoint``):
-    the same facts under a key of its own, made with the batch (never while dynamo traces), so that
-    the recurrent layers' op knows to recompute its kernel in the backward rather than keep its graph."""
 
     def __post_init__(self):
         object.__setattr__(self, "key", register_batch(self))
+        # ``in_checkpoint``: this batch for the layers of a compiled checkpointed region
+        # (``ringseq.attention.keep.compiled_checkpoint``), the same facts under a key of its own, made
+        # with the batch (never while dynamo traces), so that the recurrent layers' op knows to recompute
+        # its kernel in the backward rather than keep its graph. An attribute, not a field: the engines
+        # walk a forward's dataclass arguments field by field, and a twin is a cycle
         twin = self if self.checkpointed else dataclasses.replace(self, checkpointed=True)
         object.__setattr__(self, "in_checkpoint", twin)
 
