@@ -10,12 +10,15 @@ implementations (shapes only), so a decoder layer compiles as one graph with the
 What a call needs of its batch (documents, padding, the batch's layout, the sequence group,
 head groups) reaches the op as a 0-d int64 tensor naming the batch (``ShardedBatch.key``,
 ``register_batch``): a graph input, so a new batch of the same shape is no recompile, and
-nothing batch-dependent is a constant of the graph. The forward runs the ring without autograd
-and keeps what eager keeping keeps (``ringseq.attention.keep``: the ring's log-sum-exp, and its
-output where it is not the op's own) with the batch, under a number it returns as a second 0-d
-tensor. The backward op takes q, k, v and the output from the compiled graph (its autograd saves
-them, or recomputes q, k and v under selective checkpointing), rebuilds the ring's autograd around
-the kept output (no transfer, no block compute) and runs the eager ring's backward. A forward whose
+nothing batch-dependent is a constant of the graph. The forward keeps its eager autograd graph
+(the ring's saved q, k, v, output and log-sum-exp, as eager autograd would; q, k and v copied, so
+that the compiled graph may reuse its own buffers) under a number it returns as a second 0-d
+tensor; the backward op takes that graph back by the number and runs it. In a compiled
+checkpointed region (the batch's ``in_checkpoint`` twin: ``keep.compiled_checkpoint``) it keeps
+what eager keeping keeps instead (``ringseq.attention.keep``: the log-sum-exp, and the ring's output
+where it is not the op's own), and its backward, ``ringseq::ring_attention_replay``, takes q, k, v
+(recomputed by the compiled graph) and the output, rebuilds the ring's autograd around the kept
+output (no transfer, no block compute) and runs the eager ring's backward. A forward whose
 backward never runs (a loss dropped with grad enabled) is forgotten after ``KEEP_BATCHES`` newer
 batches; a backward later than that is refused by name.
 
@@ -142,22 +145,29 @@ def _ring(found, q, k, v, sinks, args):
 
 @torch.library.custom_op("ringseq::ring_attention", mutates_args=(), tags=OP_TAGS)
 def _forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[torch.Tensor], batch: torch.Tensor,
-             scale: float, window: int, softcap: float, train: bool) -> tuple[torch.Tensor, torch.Tensor]:
+             scale: float, window: int, softcap: float, train: bool,
+             lean: bool) -> tuple[torch.Tensor, torch.Tensor]:
     refuse_recompute("ring_attention")
     found = batch_of(batch)
-    retain = keeps_graph(train)
-    capture = _Capture(keep.current()) if retain else None
-    with torch.no_grad(), keep.using(capture) if retain else contextlib.nullcontext():
-        out = _ring(found, q, k, v, sinks, (scale, window, softcap))
-    call = 0
-    if retain:
+    retain, args = keeps_graph(train), (scale, window, softcap)
+    if retain and lean:  # checkpointed: keep what eager keeping keeps, the backward replays around it
+        capture = _Capture(keep.current())
+        with torch.no_grad(), keep.using(capture):
+            out = _ring(found, q, k, v, sinks, args)
         call = next(_call_numbers)
         # the ring's own output is the op's (no Ulysses, no padded head dim): the backward gets it from the
         # compiled graph, which saves it anyway, rather than from a second copy here
         entries = [(None if tuple(e[0].shape) == tuple(out.shape) else e[0], *e[1:]) for e in capture.entries]
-        _pending[call] = _Kept(int(batch), found, entries, (scale, window, softcap))
+        _pending[call] = _Kept(int(batch), found, entries, args)
         _forget_old(int(batch))
-    # a copy: the compiled graph may reuse a dead output's memory, and the kept entries hold this one
+    else:  # the eager graph kept whole: its backward is the eager ring's, with nothing to redo
+        with _autograd(), torch.set_grad_enabled(retain):
+            # the kept graph owns copies of its inputs: the compiled graph may reuse their memory
+            leaves = tuple(None if t is None else (t.detach().clone() if retain and t is not sinks else t.detach())
+                           .requires_grad_(retain) for t in (q, k, v, sinks))
+            out = _ring(found, *leaves, args)
+        call = keep_graph(int(batch), (out,), tuple(t for t in leaves if t is not None)) if retain else 0
+    # a copy: the compiled graph may reuse a dead output's memory, which the kept graph or entries hold
     return out.detach().clone(memory_format=torch.contiguous_format), torch.tensor(call, dtype=torch.long)
 
 
@@ -252,50 +262,80 @@ def _forget_old(number: int) -> None:
 
 
 @_forward.register_fake
-def _(q, k, v, sinks, batch, scale, window, softcap, train):
+def _(q, k, v, sinks, batch, scale, window, softcap, train, lean):
     return q.new_empty((*q.shape[:-1], v.shape[-1])), torch.empty((), dtype=torch.long, device="cpu")
 
 
 @torch.library.custom_op("ringseq::ring_attention_backward", mutates_args=(), tags=OP_TAGS)
-def _backward(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              sinks: Optional[torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor]:
+def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
+              sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept eager graph's gradients."""
+    return _distinct(gradients_of(int(call), (dout,)), (dout, sinks), sinks is None)
+
+
+@_backward.register_fake
+def _(dout, call, q_shape, k_shape, v_shape, sinks):
+    return (dout.new_empty(q_shape), dout.new_empty(k_shape), dout.new_empty(v_shape),
+            dout.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
+
+
+@torch.library.custom_op("ringseq::ring_attention_replay", mutates_args=(), tags=OP_TAGS)
+def _replay(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            sinks: Optional[torch.Tensor], out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                    torch.Tensor]:
+    """A checkpointed call's gradients: the ring's autograd rebuilt around its kept output from q, k
+    and v (``keep``'s replay: no block compute, no K/V transfer), then the eager ring's backward."""
     kept = _pending.pop(int(call), None)
     if kept is None:
         raise RingSeqError(GONE)
     replay = keep.Kept()
     replay.entries, replay.replaying = [(out if e[0] is None else e[0], *e[1:]) for e in kept.entries], True
-    with _autograd(), torch.enable_grad(), keep.using(replay):  # the ring rebuilt around its kept output: no compute
+    with _autograd(), torch.enable_grad(), keep.using(replay):
         leaves = tuple(None if t is None else t.detach().requires_grad_() for t in (q, k, v, sinks))
-        out = _ring(kept.found, *leaves, kept.args)
-        grads = torch.autograd.grad(out, [t for t in leaves if t is not None], dout, allow_unused=True)
+        again = _ring(kept.found, *leaves, kept.args)
+        grads = torch.autograd.grad(again, [t for t in leaves if t is not None], dout, allow_unused=True)
     grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, leaves)]
-    inputs = {t.untyped_storage().data_ptr() for t in (dout, q, k, v, sinks, out) if t is not None}
-    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
-        if g.untyped_storage().data_ptr() in inputs:
-            grads[i] = g = g.clone()
-        inputs.add(g.untyped_storage().data_ptr())
-    if sinks is None:
-        grads.append(dout.new_empty(0))
-    return tuple(grads)
+    return _distinct(grads, (dout, q, k, v, sinks, out), sinks is None)
 
 
-@_backward.register_fake
+@_replay.register_fake
 def _(dout, call, q, k, v, sinks, out):
     return (q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape),  # contiguous, as the op makes them
             dout.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
 
+def _distinct(grads: list, inputs: tuple, no_sinks: bool) -> tuple:
+    """``grads`` as an op may return them: aliasing neither its inputs nor each other (an empty
+    tensor for absent sinks)."""
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
+    grads = list(grads)
+    for i, g in enumerate(grads):
+        if g.untyped_storage().data_ptr() in seen:
+            grads[i] = g = g.clone()
+        seen.add(g.untyped_storage().data_ptr())
+    if no_sinks:
+        grads.append(inputs[0].new_empty(0))
+    return tuple(grads)
+
+
 def _setup(ctx, inputs, output):
     q, k, v, sinks = inputs[:4]
-    ctx.sinks = sinks is not None
-    ctx.save_for_backward(output[1], q, k, v, sinks, output[0])  # q, k, v: saved or recomputed by the graph
+    ctx.sinks, ctx.lean = sinks is not None, inputs[-1]
+    if ctx.lean:  # q, k, v and the output: saved by the compiled graph (q, k, v recomputed, checkpointed)
+        ctx.save_for_backward(output[1], sinks, q, k, v, output[0])
+    else:  # the kept graph holds its own
+        ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))
+        ctx.save_for_backward(output[1], sinks)
 
 
 def _gradients(ctx, dout, _call):
-    call, q, k, v, sinks, out = ctx.saved_tensors
-    dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, q, k, v, sinks, out)
-    return dq, dk, dv, dsinks if ctx.sinks else None, None, None, None, None, None
+    call, sinks, *saved = ctx.saved_tensors
+    if ctx.lean:
+        q, k, v, out = saved
+        dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_replay(dout.contiguous(), call, q, k, v, sinks, out)
+    else:
+        dq, dk, dv, dsinks = torch.ops.ringseq.ring_attention_backward(dout.contiguous(), call, *ctx.shapes, sinks)
+    return dq, dk, dv, dsinks if ctx.sinks else None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("ringseq::ring_attention", _gradients, setup_context=_setup)
@@ -311,5 +351,6 @@ def attend(q, k, v, *, batch, scale=None, window=None, softcap=None, sinks=None)
     train = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k, v, sinks))
     out, _ = torch.ops.ringseq.ring_attention(q, k, v, sinks, batch.key, -1.0 if scale is None else float(scale),
                                               -1 if window is None else int(window),
-                                              0.0 if softcap is None else float(softcap), train)
+                                              0.0 if softcap is None else float(softcap), train,
+                                              getattr(batch, "checkpointed", False))
     return out

@@ -85,7 +85,8 @@ def step(family: str, how: str, kind: str = "plain", ulysses: int = 1, checkpoin
 def op_against_eager(ulysses: int, mask: str):
     """``ringseq::ring_attention`` (the op the compiled graph calls, here run eagerly through its
     registered autograd) against the eager ``ring_attention`` on the same batch: outputs and the
-    gradients of q, k, v and sinks equal to the last bit (the op runs the eager ring). GQA with
+    gradients of q, k, v and sinks equal to the last bit (the op runs the eager ring), whether it
+    keeps its graph or (checkpointed) its output, replayed in the backward. GQA with
     fewer kv heads than Ulysses ranks (kv copies), sinks sliced per Ulysses rank, a window and a
     softcap: every autograd step the eager ring takes inside the op. Then the refusals: a batch
     that is gone, a backward whose forward's graph was forgotten."""
@@ -113,15 +114,16 @@ def op_against_eager(ulysses: int, mask: str):
     out = ringseq.ring_attention(q, k, v, sp=sp, token_info=batch.info, **kw)
     out.backward(dout)
     eager = [out.detach()] + [t.grad.clone() for t in (q, k, v, sinks)]
-    for t in (q, k, v, sinks):
-        t.grad = None
-    out = compiled.attend(q, k, v, batch=batch, **kw)
-    out.backward(dout)
-    where = f"op ulysses {ulysses} {mask} rank {sp.rank}/{world}"
-    got = [out.detach()] + [t.grad for t in (q, k, v, sinks)]
-    for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), eager, got):
-        assert torch.equal(a, b), f"{where}: {name} differs from the eager ring by {(a - b).abs().max():.3e}"
-    assert not compiled._pending, f"{where}: the backward left {len(compiled._pending)} kept graphs"
+    for which in (batch, batch.in_checkpoint):  # the kept graph; checkpointed, the kept output replayed
+        for t in (q, k, v, sinks):
+            t.grad = None
+        out = compiled.attend(q, k, v, batch=which, **kw)
+        out.backward(dout)
+        where = f"op ulysses {ulysses} {mask} checkpointed {which.checkpointed} rank {sp.rank}/{world}"
+        got = [out.detach()] + [t.grad for t in (q, k, v, sinks)]
+        for name, a, b in zip(("out", "dq", "dk", "dv", "dsinks"), eager, got):
+            assert torch.equal(a, b), f"{where}: {name} differs from the eager ring by {(a - b).abs().max():.3e}"
+        assert not compiled._pending, f"{where}: the backward left {len(compiled._pending)} kept graphs"
 
     key = batch.key
     del batch, _
