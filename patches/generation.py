@@ -16,7 +16,9 @@ transformers then calls the patched forward with that cache, which lands in ``ca
   comes from the rank that holds it).
 - a decode step: the new tokens are the same on every rank (checked, every step); every layer
   runs on every rank, attention over the group's cache shards (``ringseq.attention.decode``), so
-  every rank computes the same logits bit for bit and picks the same token.
+  every rank computes the same logits bit for bit and picks the same token. Its decoder runs in
+  the patched forward's traced frame, so that it compiles under ``model.compile()`` (the cache's
+  keeping and the attention then two ops: ``patches.compiled_decode``); the prefill stays eager.
 """
 from __future__ import annotations
 
@@ -262,9 +264,9 @@ class DecoderCall:
 def cached_forward(model, handle, cache, input_ids, inputs_embeds, attention_mask, position_ids, logits_to_keep,
                    kwargs: dict):
     """A patched forward with a KV cache (``generate``'s calls): the prefill when the cache is
-    empty (returns the logits generation reads and the cache), a decode step otherwise. A text
-    model's decode step returns a ``DecoderCall`` instead: the patched forward runs the decoder
-    (compiled under ``torch.compile``) and hands its output to ``decoded``."""
+    empty (returns the logits generation reads and the cache), a decode step otherwise: its
+    checks and bookkeeping here, then a ``DecoderCall``, which the patched forward runs (compiled
+    under ``torch.compile``: ``patches.compiled_decode``) and hands to ``decoded``."""
     versions.require_feature("generation", "a patched model with a KV cache (use_cache / past_key_values)")
     if cache is None:
         cache = ShardedCache(model.config, handle.sp)
