@@ -15,7 +15,7 @@ import functools
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ringseq import engines, lockstep
+from ringseq import engines, lockstep, versions
 from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
@@ -84,6 +84,7 @@ class _Step:
     unshifted: bool = False
 
 
+@versions.bindable
 @functools.partial(torch.compiler.disable, recursive=False)
 def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, labels=None,
             shift_labels=None, ringseq=None, num_items_in_batch=None, use_cache=None, past_key_values=None,

@@ -186,6 +186,7 @@ def _signed(target, vlm: bool):
         return
     patched = vars(target)["forward"]  # bound, or the caller's torch.compile of it (which wraps it)
 
+    @versions.bindable
     @functools.partial(torch.compiler.disable, recursive=False)  # as the patched forward: its decoder compiles
     def forward(self, *args, **kwargs):
         return patched(*args, **kwargs)

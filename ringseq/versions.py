@@ -65,3 +65,13 @@ def require(package: str, what: str) -> None:
     found = problem(package)
     if found:
         raise RingSeqError(f"{what} needs a supported {package}: {found}")
+
+
+def bindable(fn):
+    """``fn``, a ``torch.compiler.disable(recursive=False)`` wrapper, made fit to be bound as a model's
+    forward that ``torch.compile(model.forward)`` keeps bound: torch before 2.10 unwraps a bound method
+    through the wrapper's ``_torchdynamo_orig_callable`` to the plain function and calls it without
+    ``self`` (later releases unwrap only the wrapper itself). Dynamo still skips the wrapper's frame:
+    it knows it by its code."""
+    vars(fn).pop("_torchdynamo_orig_callable", None)
+    return fn

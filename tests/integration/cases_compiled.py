@@ -472,6 +472,12 @@ def generation(family: str, how: str, fail_at: int | None = None, backend: str =
     if fail_at is not None:
         _a_decode_failure(model, given(torch.float32), fail_at, sp, where, decode)
     ringseq.unpatch(model)
+    if vlm and how == "method":  # a VLM's generate also takes a torch.compile'd forward (its signature: the prefill)
+        other = ringseq.patch(copy.deepcopy(base).float(), sp=sp)
+        other.forward = torch.compile(other.forward, backend=backend)
+        first = other.generate(**given(torch.float32), max_new_tokens=1, **SETTINGS)
+        assert torch.equal(first.sequences, plain[torch.float32].sequences[:, :S + 1]), f"{where}: compiled forward"
+        ringseq.unpatch(other)
     return where
 
 
