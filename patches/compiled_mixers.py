@@ -102,6 +102,7 @@ besides the ``output_*`` flags (``output_router_logits``, which ringseq's router
 def _ignored(key: str) -> bool:
     return key in _UNUSED or key.startswith("output_")
 
+
 _runners: dict[int, tuple[str, Callable]] = {}
 """dispatcher number -> (kernel name, the eager sharded call ``run(batch, **arguments)``)."""
 

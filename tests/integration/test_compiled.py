@@ -98,12 +98,13 @@ def test_checkpointed_layers_compiled(pool2, pool4):
     pool2.run(cases_compiled.wrapped_checkpointing, False)
 
 
-def test_generation_compiled(pool2, pool4):
+def test_generation_compiled(pool2):
     """generate on a compiled patched model: each decode step's attention is the op, tokens and scores
-    the unpatched model's; a dense model (world 4, ``model.compile()``; then the last rank's decode
-    attention fails mid-generation: every rank raises in that step) and a hybrid whose attention block
-    is one module shared by two layers (Zamba2, ``torch.compile(model.forward)``)."""
-    pool4.run(cases_compiled.generation, "llama", "method", fail_at=3)
+    the unpatched model's; a dense model (``model.compile()``; then the last rank's decode attention
+    fails mid-generation: every rank raises in that step) and a hybrid whose attention block is one
+    module shared by two layers (Zamba2, ``torch.compile(model.forward)``). World 4: the eager decode
+    path's tests (test_generation.py); the ops run the same code."""
+    pool2.run(cases_compiled.generation, "llama", "method", fail_at=3)
     pool2.run(cases_compiled.generation, "zamba2", "forward")
 
 
