@@ -26,13 +26,9 @@ from typing import Optional
 import torch
 
 from ringseq import lockstep
-from ringseq.attention.compiled import OP_TAGS, batch_of
+from ringseq.attention.compiled import OP_TAGS, batch_of, given
 from ringseq.attention.decode import decode_attention
 from ringseq.errors import RingSeqError
-
-
-def _optional(value, none):
-    return None if value == none else value
 
 
 @torch.library.custom_op("ringseq::decode_keep", mutates_args=(), tags=OP_TAGS)
@@ -59,8 +55,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: Optional[t
                            "layer's keys is not supported): generate without torch.compile")
     with lockstep.layer(None if layer < 0 else layer):
         out = decode_attention(q, held.keys, held.values, sp=found.sp, q_pos=found.q_pos, k_pos=held.positions,
-                               k_valid=held.valid, scale=scale, window=_optional(window, -1),
-                               softcap=_optional(softcap, 0.0), sinks=sinks, agreed=True)
+                               k_valid=held.valid, scale=scale, window=given(window, -1),
+                               softcap=given(softcap, 0.0), sinks=sinks, agreed=True)
     return out.contiguous()
 
 

@@ -240,13 +240,7 @@ def _recurrent_backward(dout: torch.Tensor, call: torch.Tensor, tensors: list[to
         out = result if isinstance(result, torch.Tensor) else result[0]
         wanted = [t for t in leaves if t.requires_grad]
         grads = torch.autograd.grad(out, wanted, dout, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, wanted)]
-    seen = {t.untyped_storage().data_ptr() for t in (dout, *tensors)}
-    for i, g in enumerate(grads):  # an op's outputs may alias neither its inputs nor each other
-        if g.untyped_storage().data_ptr() in seen:
-            grads[i] = g = g.clone()
-        seen.add(g.untyped_storage().data_ptr())
-    return grads
+    return compiled.op_gradients(grads, wanted, (dout, *tensors))
 
 
 @_recurrent_backward.register_fake

@@ -92,7 +92,8 @@ def _autograd():
         yield
 
 
-def _optional(value, none):
+def given(value, none):
+    """An op's scalar argument back as the eager call takes it: None where the op got its stand-in."""
     return None if value == none else value
 
 
@@ -138,8 +139,8 @@ def _ring(found, q, k, v, sinks, args):
     from .api import ring_attention
 
     scale, window, softcap = args
-    return ring_attention(q, k, v, sp=found.sp, causal=True, scale=_optional(scale, -1.0),
-                          window=_optional(window, -1), softcap=_optional(softcap, 0.0), sinks=sinks,
+    return ring_attention(q, k, v, sp=found.sp, causal=True, scale=given(scale, -1.0),
+                          window=given(window, -1), softcap=given(softcap, 0.0), sinks=sinks,
                           token_info=found.info, head_groups=found.head_groups)
 
 
@@ -233,16 +234,22 @@ def held_batch(call: int):
     return kept.found
 
 
-def gradients_of(call: int, douts) -> list:
-    """The kept graph ``call``'s gradients for its leaves (zeros where a leaf was unused), each
-    contiguous and aliasing neither ``douts`` nor another: an op's outputs may not alias."""
+def gradients_of(call: int, douts, inputs: tuple = ()) -> list:
+    """The kept graph ``call``'s gradients for its leaves, as ``op_gradients`` makes them (the
+    backward op's other tensor ``inputs`` besides ``douts``)."""
     pending = _pending.pop(call, None)
     if pending is None:
         raise RingSeqError(GONE)
     with _autograd():
         grads = torch.autograd.grad(pending.outs, pending.leaves, douts, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, pending.leaves)]
-    seen = {t.untyped_storage().data_ptr() for t in douts}
+    return op_gradients(grads, pending.leaves, (*douts, *inputs))
+
+
+def op_gradients(grads, leaves, inputs: tuple) -> list:
+    """``grads`` of ``leaves`` as a backward op may return them: zeros where a leaf was unused, each
+    contiguous and aliasing neither the op's ``inputs`` nor another (an op's outputs may not alias)."""
+    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, leaves)]
+    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
     for i, g in enumerate(grads):
         if g.untyped_storage().data_ptr() in seen:
             grads[i] = g = g.clone()
@@ -270,7 +277,7 @@ def _(q, k, v, sinks, batch, scale, window, softcap, train, lean):
 def _backward(dout: torch.Tensor, call: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int],
               sinks: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kept eager graph's gradients."""
-    return _distinct(gradients_of(int(call), (dout,)), (dout, sinks), sinks is None)
+    return _with_sinks(gradients_of(int(call), (dout,), (sinks,)), dout, sinks)
 
 
 @_backward.register_fake
@@ -294,8 +301,8 @@ def _replay(dout: torch.Tensor, call: torch.Tensor, q: torch.Tensor, k: torch.Te
         leaves = tuple(None if t is None else t.detach().requires_grad_() for t in (q, k, v, sinks))
         again = _ring(kept.found, *leaves, kept.args)
         grads = torch.autograd.grad(again, [t for t in leaves if t is not None], dout, allow_unused=True)
-    grads = [torch.zeros_like(t) if g is None else g.contiguous() for g, t in zip(grads, leaves)]
-    return _distinct(grads, (dout, q, k, v, sinks, out), sinks is None)
+    grads = op_gradients(grads, [t for t in leaves if t is not None], (dout, q, k, v, sinks, out))
+    return _with_sinks(grads, dout, sinks)
 
 
 @_replay.register_fake
@@ -304,18 +311,9 @@ def _(dout, call, q, k, v, sinks, out):
             dout.new_empty(0) if sinks is None else sinks.new_empty(sinks.shape))
 
 
-def _distinct(grads: list, inputs: tuple, no_sinks: bool) -> tuple:
-    """``grads`` as an op may return them: aliasing neither its inputs nor each other (an empty
-    tensor for absent sinks)."""
-    seen = {t.untyped_storage().data_ptr() for t in inputs if t is not None}
-    grads = list(grads)
-    for i, g in enumerate(grads):
-        if g.untyped_storage().data_ptr() in seen:
-            grads[i] = g = g.clone()
-        seen.add(g.untyped_storage().data_ptr())
-    if no_sinks:
-        grads.append(inputs[0].new_empty(0))
-    return tuple(grads)
+def _with_sinks(grads: list, dout, sinks) -> tuple:
+    """dq, dk, dv and dsinks (an empty tensor where the call had no sinks)."""
+    return tuple(grads) if sinks is not None else (*grads, dout.new_empty(0))
 
 
 def _setup(ctx, inputs, output):
