@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import queue
 import signal
 import sys
 import threading
@@ -67,53 +68,80 @@ def _store(timeout: float):
     return bounded.within(timeout)
 
 
+class _Call:
+    """One store call waiting its turn on a ``_Bounded``'s worker."""
+
+    def __init__(self, name: str | None, args: tuple):
+        self.name, self.args, self.done = name, args, threading.Event()
+        self.value = self.error = None
+        self.dropped = False
+
+
 class _Bounded:
-    """A store made and called on daemon threads, each call given up at its deadline. A later call
-    first waits (within its own deadline) for a call given up before, which a slow store may still
-    answer (on a loaded machine a read can outlast a short deadline); if that one still hangs, the
-    store does not answer and the call fails at once instead of piling up threads."""
+    """A store made and called on one daemon thread, one call after another in the order they were
+    made; each caller waits for its own call at most its deadline (on a loaded machine a store can
+    outlast a short one; a stopped host never answers). A write given up at its deadline keeps its
+    place and is made when the store answers, so a rank's notes land in the order it wrote them (a
+    'waiting' note, then its clearing, then its failure note: a slow store loses none and leaves no
+    stale one); a read given up is dropped. A store that does not answer costs each caller its
+    deadline, and no threads pile up."""
 
     def __init__(self, make):
-        self.make, self.store, self.stuck, self.timeout = make, None, None, 1.0
+        self.make, self.store, self.timeout = make, None, 1.0
+        self.calls: queue.SimpleQueue = queue.SimpleQueue()
+        self.worker, self.pid, self.lock = None, None, threading.Lock()
+
+    def _serve(self) -> None:
+        while True:
+            call = self.calls.get()
+            if call.dropped:
+                continue
+            try:
+                if self.store is None:
+                    self.store = self.make()
+                if call.name is not None:
+                    call.value = getattr(self.store, call.name)(*call.args)
+            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
+                call.error = exc
+            call.done.set()
+
+    def _queue(self, name: str | None, *args) -> _Call:
+        call = _Call(name, args)
+        with self.lock:
+            if self.worker is None or self.pid != os.getpid():  # a forked child has no thread of its parent's
+                self.calls, self.pid = queue.SimpleQueue(), os.getpid()
+                self.worker = threading.Thread(target=self._serve, daemon=True, name="ringseq-store")
+                self.worker.start()
+            self.calls.put(call)
+        return call
 
     def prepare(self) -> None:
-        """Make the store (on the calling thread); a failure is left for the first call to meet."""
-        try:
-            if self.store is None:
-                self.store = self.make()
-        except Exception:  # noqa: BLE001 - the first real call tries again within its deadline
-            pass
+        """Make the store now (a failure is left for the first call to meet)."""
+        self._queue(None)
 
     def within(self, timeout: float) -> "_Bounded":
         self.timeout = max(0.05, timeout)
         return self
 
-    def _call(self, name, *args):
-        deadline = time.monotonic() + self.timeout
-        if self.stuck is not None:  # an earlier call given up at its deadline: a slow store may answer it yet
-            self.stuck.join(self.timeout)
-            if self.stuck.is_alive():
-                raise TimeoutError("the store has not answered an earlier call")
-            self.stuck = None
-        box = {}
-
-        def run():
-            try:
-                if self.store is None:
-                    self.store = self.make()
-                box["value"] = getattr(self.store, name)(*args)
-            except Exception as exc:  # noqa: BLE001 - re-raised in the caller's thread
-                box["error"] = exc
-
-        worker = threading.Thread(target=run, daemon=True, name="ringseq-store")
-        worker.start()
-        worker.join(max(0.01, deadline - time.monotonic()))
-        if worker.is_alive():
-            self.stuck = worker
+    def _call(self, name: str, *args):
+        call = self._queue(name, *args)
+        if not call.done.wait(self.timeout):
+            call.dropped = name != "set"  # a read is of no use late; a write keeps its place
             raise TimeoutError(f"the store did not answer {name} within {self.timeout:g} s")
-        if "error" in box:
-            raise box["error"]
-        return box["value"]
+        if call.error is not None:
+            raise call.error
+        return call.value
+
+    def post(self, key: str, value: str, timeout: float) -> bool:
+        """Write ``key`` and wait at most ``timeout`` seconds (0: not at all) for the store to take it;
+        whether it did. A write not taken in time is still made when the store answers."""
+        call = self._queue("set", key, value)
+        return call.done.wait(timeout) and call.error is None
+
+    def flush(self, timeout: float) -> None:
+        """Wait at most ``timeout`` seconds for the writes queued so far (at exit: a failure's note
+        queued while the store was slow)."""
+        self._queue(None).done.wait(timeout)
 
     def set(self, key, value):
         return self._call("set", key, value)
@@ -126,12 +154,12 @@ class _Bounded:
 
 
 def connect(sp) -> None:
-    """Make this rank's store client now, on a thread (``ringseq.init``): at a failure every
+    """Make this rank's store client now, on its worker (``ringseq.init``): at a failure every
     survivor reads at once, and a client made then may not connect within the grace."""
     if shared(sp):
         bounded = _store(_timeout(sp))
         if bounded is not None:
-            threading.Thread(target=bounded.prepare, daemon=True, name="ringseq-store-connect").start()
+            bounded.prepare()
 
 
 _silent_until = 0.0
@@ -202,6 +230,9 @@ def linger() -> None:
     rendezvous store (global rank 0 without torchrun's agent) stays, after a failure it saw,
     until the survivors that learn of it last (by their timeout, at most ``LINGER_S``) have read
     the notes, instead of taking the store with it."""
+    if _linger_until:  # a note queued while the store was slow is written before this process goes
+        for bounded in list(_clients.values()):
+            bounded.flush(1.0)
     serving = dist.is_initialized() and _store_host() == dist.get_rank()
     if serving and time.time() < _linger_until:
         time.sleep(_linger_until - time.time())
@@ -232,14 +263,20 @@ def post_waiting(sp, what: str, waiting: bool = True) -> None:
     """Say in the store that this rank is inside a ringseq wait that has lasted ``signal_after``
     (``waiting``), or that it has left it (the note then reads as older than any incident). Only
     long waits write: nothing is written while all is well."""
-    if not shared(sp) or time.time() < _silent_until:
-        return
+    if shared(sp):
+        _post(sp, "waiting", f"{time.time() if waiting else 0.0:.3f}|{what}")
+
+
+def _post(sp, what: str, note: str) -> None:
+    """Write this rank's ``what`` note, waiting for the store within the grace; right after the store
+    failed to answer, not waiting at all (a wait would cost a grace for nothing). Either way the note
+    is queued in order after this rank's earlier ones and made when the store answers (``_Bounded``):
+    a note is a courtesy, and a store that does not answer is found by its readers."""
     store = _store(_timeout(sp))
     if store is None:
         return
-    try:
-        store.set(_key(sp, "waiting", dist.get_rank()), f"{time.time() if waiting else 0.0:.3f}|{what}")
-    except Exception:  # noqa: BLE001 - a courtesy; a store that does not answer is found by the reader
+    silent = time.time() < _silent_until
+    if not store.post(_key(sp, what, dist.get_rank()), note, 0.0 if silent else _timeout(sp)) and not silent:
         _found_silent(sp)
 
 
@@ -261,19 +298,10 @@ def post_failure(sp, text: str, cause: int | None = None, breaking: bool = False
     if not shared(sp):
         return
     _incident(sp, breaking)
-    if time.time() < _silent_until:  # the store just failed to answer: a note would cost a grace for nothing
-        return
-    store = _store(_timeout(sp))
-    if store is None:
-        return
     if cause == dist.get_rank():  # a failure that began here (the group named this rank): its own, not a link
         cause = None  # a note blaming itself would be a chain with no root: its readers would wait their grace out
-    try:
-        mark = "!" if stalled and cause is not None else ""
-        note = f"{time.time():.3f}|{mark}{'' if cause is None else cause}|{text[:NOTE_CHARS]}"
-        store.set(_key(sp, "failed", dist.get_rank()), note)
-    except Exception:  # noqa: BLE001 - a note is a courtesy; the caller raises its own error anyway
-        pass
+    mark = "!" if stalled and cause is not None else ""
+    _post(sp, "failed", f"{time.time():.3f}|{mark}{'' if cause is None else cause}|{text[:NOTE_CHARS]}")
 
 
 class _Notes:

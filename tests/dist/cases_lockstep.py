@@ -447,13 +447,43 @@ def stats_on_one_rank():
         assert sum(ringseq.stats(sp=sp)["kernels"]["block_calls"].values()) >= 2 * steps, ringseq.stats(sp=sp)
 
 
-def raises_before_the_ring(timeout: float):
+class _SlowStore:
+    """A store whose first write takes ``delay`` seconds (as a client connecting on a loaded machine)."""
+
+    def __init__(self, store, delay: float):
+        self.store, self.delay = store, delay
+
+    def set(self, *args):
+        time.sleep(self.delay)
+        self.delay = 0.0
+        return self.store.set(*args)
+
+    def get(self, *args):
+        return self.store.get(*args)
+
+    def check(self, *args):
+        return self.store.check(*args)
+
+
+def raises_before_the_ring(timeout: float, slow_store: bool = False):
     """A rank whose ring call raises after the agreement but before its first transfer: its
-    peer, left waiting, names it and quotes its error (from the note it left in the store)."""
+    peer, left waiting, names it and quotes its error (from the note it left in the store).
+    ``slow_store``: the raising rank first waits long in the call's agreement and its store takes
+    longer than the grace to take that 'waiting' note: its clearing and the failure note that
+    follow still land, in order, before the peer reads them (a loaded machine once lost the
+    failure note behind the waiting one, and the peer blamed no one)."""
+    from ringseq import peers
+
     sp = ringseq.init(sp_size=dist.get_world_size(), timeout=timeout)
     (q, k, v), _ = _inputs(sp)
     ringseq.ring_attention(q, k, v, sp=sp)
     original = ring.plan  # the batch's plan: made (or found) before the ring's first transfer
+    if slow_store and sp.rank == 1:
+        for bounded in peers._clients.values():
+            bounded.flush(5.0)
+            bounded.store = _SlowStore(bounded.store, 1.2 * peers._timeout(sp))
+    elif slow_store:
+        time.sleep(2 * peers.signal_after(sp))  # the peer waits in the agreement long enough to say so
     if sp.rank == 1:
         def failing(*args, **kwargs):
             raise RuntimeError("injected before the ring")

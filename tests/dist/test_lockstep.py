@@ -162,10 +162,11 @@ def test_stats_on_one_rank_only_leaves_the_group_in_step(pool2):
     pool2.run(cases.stats_on_one_rank)
 
 
-def test_a_rank_that_raises_before_the_ring_is_named_by_its_peers():
+@pytest.mark.parametrize("slow_store", [False, True])
+def test_a_rank_that_raises_before_the_ring_is_named_by_its_peers(slow_store):
     pool = DistPool(2, timeout=60)
     try:
-        results = pool.run(cases.raises_before_the_ring, TIMEOUT)
+        results = pool.run(cases.raises_before_the_ring, TIMEOUT, slow_store)
     finally:
         pool.close(force=True)
     assert "injected before the ring" in results[1], results

@@ -52,6 +52,24 @@ def test_a_call_given_up_on_a_slow_store_does_not_block_the_next():
     assert store.check(["a"]) and store.get("a") == b"1"  # waits for the late answer, then goes on
 
 
+def test_writes_given_up_land_in_order_and_reads_given_up_are_dropped():
+    """A rank's notes on a slow store: its 'waiting' note, that note's clearing and its failure
+    note are each given up at the caller's deadline, yet all land, in the order written (the last
+    word on 'waiting' is the clearing); a read given up is never made."""
+    frozen = threading.Event()
+    slow = SlowStore(event=frozen)
+    reads = []
+    slow.check = lambda keys: reads.append(keys) or all(k in slow.data for k in keys)
+    store = peers._Bounded(lambda: slow).within(0.05)
+    assert not store.post("waiting", "1", 0.05)
+    with pytest.raises(TimeoutError):
+        store.check(["failed"])
+    assert not store.post("waiting", "0", 0.0) and not store.post("failed", "it raised", 0.0)
+    frozen.set()
+    store.flush(2.0)
+    assert slow.data == {"waiting": "0", "failed": "it raised"} and reads == []
+
+
 def test_the_virtual_rings_stand_in_ranks_leave_no_notes():
     """The virtual ring's ranks share one process and have no timeout: a kernel failure there is
     raised as it is, with no store to write to (gpu_check --device cpu runs such failures)."""
