@@ -32,13 +32,18 @@ class TokenInfo:
     block: torch.Tensor | None = None
     """[B, S] int32 id of the bidirectional block of each token (-1: none; a block is one run of
     tokens); None: no blocks (CPU)."""
-    layout: object = None
+    layout: dataclasses.InitVar[object] = None
     """The batch's own layout (a ``ringseq.layouts.Runs``: packed documents balanced by work,
     made by ``ringseq.shard_batch``); None: the sequence group's layout."""
-    _cache: dict = dataclasses.field(default_factory=dict, repr=False)
-    """Schedules and prefix tables derived from this batch (``rank_schedule``, ``valid_count``)."""
 
-    def __post_init__(self):  # planning reads these integers: keep them on the CPU
+    def __post_init__(self, layout):  # planning reads these integers: keep them on the CPU
+        # The layout, and the schedules and prefix tables derived from this batch (``_cache``: ``rank_schedule``,
+        # ``valid_count``), are attributes, not fields: where a batch enters a compiled checkpointed region,
+        # torch 2.9's dynamo walks its frozen dataclass fields whole and guards on every value it finds there (the
+        # layout's runs, the cached tables' sizes: a new packing, a new graph). What the traced code reads
+        # (the tensors) stays in fields; the rest is read only by the ops, outside the graph.
+        object.__setattr__(self, "layout", layout)
+        object.__setattr__(self, "_cache", {})
         for name in ("doc", "valid", "block"):
             value = getattr(self, name)
             if value is not None and value.device.type != "cpu":
