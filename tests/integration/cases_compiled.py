@@ -147,7 +147,8 @@ def op_against_eager(ulysses: int, mask: str):
 def wrapped_checkpointing(policy: bool):
     """torchtitan's order: every decoder layer wrapped by torch's ``checkpoint_wrapper``, then compiled
     (fullgraph, aot_eager). With ringseq's policy (``context_fn``: the ring op's outputs saved) the
-    step is the unpatched model's; without it the compiled backward would run the ring again, which
+    step is the unpatched model's and the ops keep no eager graph (the wrappers hand their layers the
+    checkpointed twin, ``patches.checkpointing``); without it the compiled backward would run the ring again, which
     the op refuses by name at the first backward, on every rank. transformers' checkpoint offload on
     compiled layers, which they would not apply, is refused when they run."""
     from functools import partial
@@ -183,10 +184,15 @@ def wrapped_checkpointing(policy: bool):
         assert_refused(lambda: model(**batch), "is not applied to compiled layers")
         ringseq.unpatch(model)
         return where
+    before = compiled.kept_graphs()
     loss = model(**batch).loss
+    kept = compiled.kept_graphs() - before  # the wrappers hand their layers the checkpointed twin: no eager graph
+    assert not kept, f"{where}: {len(kept)} eager graphs kept"
     loss.backward()
     grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad.detach().clone() for n, p in model.named_parameters()}
     check_against(refs, loss.detach(), grads, sp, where)
+    ringseq.unpatch(model)
+    assert not any("_ringseq_twin" in vars(m) for m in model.modules()), f"{where}: unpatch left a hook"
     return where
 
 
