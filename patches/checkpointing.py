@@ -32,7 +32,7 @@ import inspect
 
 import torch
 
-from ringseq.attention.keep import checkpoint_keeping_ring, save_ring
+from ringseq.attention.keep import checkpoint_keeping_ring, checkpointed, save_ring
 
 
 def _layers(model):
@@ -55,10 +55,7 @@ def _saving_ring(module) -> bool:
 def _hand_twin(module, args, kwargs):
     """A ``checkpoint_wrapper`` under ``save_ring``, traced by dynamo: the layer gets the batch's
     checkpointed twin."""
-    twin = getattr(kwargs.get("ringseq"), "in_checkpoint", None)
-    if twin is None or not torch.compiler.is_compiling():
-        return None
-    return args, {**kwargs, "ringseq": twin}
+    return (args, checkpointed(kwargs)) if torch.compiler.is_compiling() else None
 
 
 def _hook_wrappers(model) -> None:

@@ -105,15 +105,21 @@ def save_ring(ctx, op, *args, **kwargs):
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def checkpointed(kwargs: dict) -> dict:
+    """A layer call's keyword arguments inside a compiled checkpointed region: the batch swapped for its
+    checkpointed twin (``ShardedBatch.in_checkpoint``), so the ring and recurrent ops keep what eager
+    keeping keeps (transformers' checkpointing here; torch's ``checkpoint_wrapper``: ``patches.checkpointing``)."""
+    twin = getattr(kwargs.get("ringseq"), "in_checkpoint", None)
+    return kwargs if twin is None else {**kwargs, "ringseq": twin}
+
+
 def compiled_checkpoint(function, *args, **kwargs):
     """A checkpointed layer as dynamo traces it: torch's non-reentrant checkpoint under ``save_ring``."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
     kwargs = {k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn")}
-    batch = function.keywords.get("ringseq") if isinstance(function, functools.partial) else None
-    if getattr(batch, "in_checkpoint", None) is not None:  # transformers' layer call: its kwargs bound in a partial
-        function = functools.partial(function.func, *function.args,
-                                     **{**function.keywords, "ringseq": batch.in_checkpoint})
+    if isinstance(function, functools.partial):  # transformers' layer call: its kwargs bound in a partial
+        function = functools.partial(function.func, *function.args, **checkpointed(function.keywords))
     return checkpoint(function, *args, use_reentrant=False,
                       context_fn=functools.partial(create_selective_checkpoint_contexts, save_ring), **kwargs)
 
