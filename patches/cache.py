@@ -21,7 +21,6 @@ convolution state is the last inputs of the whole prompt, which one rank holds
 """
 from __future__ import annotations
 
-import dataclasses
 import inspect
 
 import torch
@@ -29,7 +28,7 @@ from transformers import cache_utils
 from transformers.cache_utils import CacheLayerMixin, DynamicCache
 
 from ringseq import recurrent
-from ringseq.attention.compiled import register_batch
+from ringseq.opaque import REQUIRED, Opaque
 from ringseq.errors import RingSeqError
 
 
@@ -133,19 +132,13 @@ class KVShardAndState(KVShard, LinearAttentionLayer):
             LinearAttentionLayer.lazy_initialization(self, **kwargs)
 
 
-@dataclasses.dataclass(frozen=True)
-class DecodeStep:
+class DecodeStep(Opaque):
     """What a decode step's layers read (the ``ringseq`` keyword argument, as ``ShardedBatch``
-    is in the prefill): the group and the new tokens' global indices."""
+    is in the prefill; opaque to the engines as it is, ``ringseq.opaque``): the group (``sp``), the
+    ``cache`` and the new tokens' global indices (``q_pos``); its ``key`` names the step for the
+    compiled decode ops (``ringseq.attention.compiled.register_batch``)."""
 
-    sp: object
-    cache: "ShardedCache"
-    q_pos: torch.Tensor
-    key: torch.Tensor = dataclasses.field(init=False, repr=False)
-    """Names the step for the compiled decode ops (``ringseq.attention.compiled.register_batch``)."""
-
-    def __post_init__(self):
-        object.__setattr__(self, "key", register_batch(self))
+    FIELDS = {"sp": REQUIRED, "cache": REQUIRED, "q_pos": REQUIRED}
 
 
 class ShardedCache(DynamicCache):

@@ -62,9 +62,9 @@ def _batch(handle, input_ids, inputs_embeds, attention_mask, position_ids, label
     local = {"input_ids": input_ids, "inputs_embeds": inputs_embeds, "position_ids": position_ids,
              "attention_mask": attention_mask, "labels": targets}
     if targets is None:  # the caller took the labels out: logits only
-        facts = dataclasses.replace(facts, labels=None, count=None)
+        facts = facts.replace(labels=None, count=None)
     elif targets is not facts.labels:  # labels of the caller's own: count them over the group (unless given)
-        facts = dataclasses.replace(facts, labels=targets, count=None if counted else count_targets(targets, handle.sp))
+        facts = facts.replace(labels=targets, count=None if counted else count_targets(targets, handle.sp))
     return local, facts
 
 

@@ -9,13 +9,11 @@ real tokens' results are exactly the unpadded ones.
 """
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 
 import torch
 
 from . import lockstep
-from .attention.compiled import register_batch
 from .attention.masks import TokenInfo, documents
 from .attention.work import per_rank
 from .balance import balanced
@@ -23,56 +21,50 @@ from .errors import RingSeqError
 from .layouts import multiple, sp_positions
 from .lockstep import checksum, dtype_code
 from .loss import IGNORE
+from .opaque import REQUIRED, Opaque
 from .sharding import gather, shard_tensor
 from .topology import check_sp
 
 SEQUENCE_KEYS = ("input_ids", "inputs_embeds", "attention_mask", "position_ids", "labels", "shift_labels")
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class ShardedBatch:
+class ShardedBatch(Opaque):
     """Every fact of one sharded batch, made once per forward (``shard_batch``): what the
     attention layers, the loss, the fused LM head and the metrics read, so that none of them
     works it out again. A patched model hands it to every layer as the ``ringseq`` keyword
     argument (transformers passes model keyword arguments down to attention, also on a
-    checkpointed layer's recompute). Shapes: ``ringseq.shapes``."""
+    checkpointed layer's recompute); every engine that walks a forward's inputs hands it on as
+    itself (``ringseq.opaque``). Shapes: ``ringseq.shapes``. Its fields:
 
-    sp: object
-    length: int
-    """S: tokens per row as the batch came."""
-    pad: int
-    """Tokens appended to every row so that the layout can split it (``pad_to_layout``)."""
-    info: TokenInfo
-    """What attention keeps apart over the whole (padded) batch: packed documents (where the
-    model keeps them apart) and padding."""
-    documents: torch.Tensor | None = None
-    """[B, S + pad] int32 document ids by transformers' rule (None: one document per row),
-    whether or not attention keeps them apart."""
-    count: torch.Tensor | None = None
-    """Targets (shifted labels other than -100) in the whole batch: what the loss divides by."""
-    labels: torch.Tensor | None = None
-    """This rank's shifted labels [B, s]: entry i is the target of token i."""
-    raw_labels: torch.Tensor | None = None
-    """This rank's labels as given [B, s] (None when only shift_labels came): what a metrics
-    function reads next to the logits of the same tokens."""
-    attention_mask: torch.Tensor | None = None
-    """This rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero padding with)."""
-    head_groups: object = None
-    """How the attention layers run their ring calls on this batch: the patched model's
-    ``patch(head_groups=)`` (None: one ring for all heads; ``ring_attention``'s ``head_groups``)."""
-    checkpointed: bool = False
-    """This batch as the layers of a compiled checkpointed region see it (``in_checkpoint``)."""
-    key: torch.Tensor = dataclasses.field(init=False, repr=False)
-    """A 0-d int64 tensor naming this batch to the compiled ring ops (``ringseq.attention.compiled``)."""
+    - ``sp``; ``length``: S, tokens per row as the batch came; ``pad``: tokens appended to every row
+      so that the layout can split it (``pad_to_layout``);
+    - ``info``: what attention keeps apart over the whole (padded) batch (a ``TokenInfo``: packed
+      documents, where the model keeps them apart, and padding);
+    - ``documents``: [B, S + pad] int32 document ids by transformers' rule (None: one document per
+      row), whether or not attention keeps them apart;
+    - ``count``: targets (shifted labels other than -100) in the whole batch: what the loss divides by;
+    - ``labels``: this rank's shifted labels [B, s] (entry i is the target of token i);
+      ``raw_labels``: this rank's labels as given [B, s] (None when only shift_labels came), what a
+      metrics function reads next to the logits of the same tokens;
+    - ``attention_mask``: this rank's shard of the 2-D padding mask [B, s] (what recurrent layers zero
+      padding with);
+    - ``head_groups``: how the attention layers run their ring calls on this batch (the patched
+      model's ``patch(head_groups=)``; None: one ring for all heads);
+    - ``checkpointed``: this batch as the layers of a compiled checkpointed region see it
+      (``in_checkpoint``);
+    - ``key`` (made with it): a 0-d int64 tensor naming this batch to the compiled ring ops
+      (``ringseq.attention.compiled``)."""
 
-    def __post_init__(self):
-        object.__setattr__(self, "key", register_batch(self))
+    FIELDS = {"sp": REQUIRED, "length": REQUIRED, "pad": REQUIRED, "info": REQUIRED, "documents": None, "count": None,
+              "labels": None, "raw_labels": None, "attention_mask": None, "head_groups": None,
+              "checkpointed": False}
+
+    def _made(self):
         # ``in_checkpoint``: this batch for the layers of a compiled checkpointed region
         # (``ringseq.attention.keep.compiled_checkpoint``), the same facts under a key of its own, made
         # with the batch (never while dynamo traces), so that the recurrent layers' op knows to recompute
-        # its kernel in the backward rather than keep its graph. An attribute, not a field: the engines
-        # walk a forward's dataclass arguments field by field, and a twin is a cycle
-        twin = self if self.checkpointed else dataclasses.replace(self, checkpointed=True)
+        # its kernel in the backward rather than keep its graph
+        twin = self if self.checkpointed else self.replace(checkpointed=True)
         object.__setattr__(self, "in_checkpoint", twin)
 
     @property
@@ -106,7 +98,7 @@ class ShardedBatch:
 
     def with_head_groups(self, head_groups) -> "ShardedBatch":
         """This batch with the attention layers' ring head groups set (``patch(head_groups=)``)."""
-        return self if head_groups == self.head_groups else dataclasses.replace(self, head_groups=head_groups)
+        return self if head_groups == self.head_groups else self.replace(head_groups=head_groups)
 
     def apart(self, documents_apart: bool) -> "ShardedBatch":
         """This batch for a model that keeps packed documents apart or not (the one place where
@@ -115,7 +107,7 @@ class ShardedBatch:
         if doc is self.info.doc:
             return self
         info = TokenInfo(doc=doc, valid=self.info.valid, block=self.info.block, layout=self.info.layout)
-        return dataclasses.replace(self, info=info)
+        return self.replace(info=info)
 
 
 def shift(labels: torch.Tensor) -> torch.Tensor:
@@ -343,8 +335,8 @@ def sharded(batch, *, sp, documents_apart: bool = True, blocks=None, agreed: boo
             local[key] = where.shard(batch[key], 1)
     if targets is not None:
         local["labels"] = where.shard(batch["shift_labels"], 1)
-    facts = dataclasses.replace(
-        where, documents=info.doc,
+    facts = where.replace(
+        documents=info.doc,
         count=None if targets is None else (targets != IGNORE).sum(),  # the whole batch is here: no communication
         labels=local.get("labels"), attention_mask=local.get("attention_mask"),
         raw_labels=None if raw is None else where.shard(torch.nn.functional.pad(raw, (0, pad), value=IGNORE), 1))
