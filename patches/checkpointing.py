@@ -17,13 +17,15 @@ cannot move the kept ring outputs, which are not saved tensors. ringseq's moves 
 layer inputs and the kept ring outputs to host memory (``ringseq.attention.keep``). Enabled
 before ``patch``, transformers' offload stays as it is and the ring outputs stay on the device.
 
-torch's own ``checkpoint_wrapper`` (torchtitan's way: each decoder layer wrapped, then compiled) with
-ringseq's policy (``context_fn=partial(create_selective_checkpoint_contexts, save_ring)``): the wrapper
-gets a forward pre-hook (``wrap`` too) that, while dynamo traces it, hands the layer the batch's
-``in_checkpoint`` twin, as ``keep.compiled_checkpoint`` does for transformers' checkpointing. The ring
-and recurrent ops then know they are checkpointed and keep what eager keeping keeps (the log-sum-exp;
-the recurrent kernel runs again in the backward) instead of their whole eager graphs. A wrapper with
-another policy is left alone (its recompute would run the ring again, which the op refuses by name).
+torch's own ``checkpoint_wrapper`` (torchtitan's way, each decoder layer wrapped, then compiled; and FSDP's
+own activation checkpointing, ``apply_activation_checkpointing``, which Accelerate's
+``fsdp_activation_checkpointing`` applies) gets the same: ``wrap`` puts ``checkpoint_keeping_ring`` around the
+wrapper's ``checkpoint_fn`` when it is torch's checkpoint with no policy of its own or with ringseq's
+``save_ring`` (``context_fn=partial(create_selective_checkpoint_contexts, save_ring)``). Eagerly the recompute
+then takes the ring's kept outputs; under compile the region is torch's selective checkpointing under
+``save_ring`` with the batch's ``in_checkpoint`` twin (``keep.compiled_checkpoint``), so the ring and recurrent
+ops keep what eager keeping keeps. A wrapper with another policy is left alone (its compiled recompute would run
+the ring again, which the op refuses by name).
 """
 from __future__ import annotations
 
@@ -31,57 +33,66 @@ import functools
 import inspect
 
 import torch
+from torch._dynamo.eval_frame import OptimizedModule
 
-from ringseq.attention.keep import checkpoint_keeping_ring, checkpointed, save_ring
+from ringseq.attention.keep import checkpoint_keeping_ring, save_ring
+from ringseq.errors import RingSeqError
+
+
+COMPILED_INSIDE = ("torch's checkpoint_wrapper was put around a decoder layer that was compiled already (e.g. "
+                   "FSDP's or Accelerate's activation checkpointing applied to layers compiled by layer.compile()): "
+                   "its recompute would compile and run the layer's graph anew instead of taking the ring's kept "
+                   "outputs. Compile after wrapping (torchtitan's order: checkpoint_wrapper, then compile, then "
+                   "fully_shard), compile the whole model (TrainingArguments(torch_compile=True)), or checkpoint "
+                   "through transformers (gradient_checkpointing=True)")
 
 
 def _layers(model):
     return [m for m in model.modules() if "_gradient_checkpointing_func" in vars(m)]
 
 
-def _saving_ring(module) -> bool:
-    """Whether ``module`` is torch's ``checkpoint_wrapper`` (non-reentrant) under ``save_ring``."""
+def _wrapped_checkpoints(model):
+    """torch's ``checkpoint_wrapper`` modules in ``model`` whose checkpoint is torch's with no policy of its
+    own or with ringseq's ``save_ring`` (as wrapped by ``checkpoint_keeping_ring`` or not yet)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    if not isinstance(module, CheckpointWrapper):
-        return False
-    keywords = getattr(getattr(module, "checkpoint_fn", None), "keywords", None) or {}
-    policy = keywords.get("context_fn")
-    return (keywords.get("use_reentrant") is False and isinstance(policy, functools.partial)
-            and policy.func is create_selective_checkpoint_contexts and policy.args[:1] == (save_ring,))
-
-
-def _hand_twin(module, args, kwargs):
-    """A ``checkpoint_wrapper`` under ``save_ring``, traced by dynamo: the layer gets the batch's
-    checkpointed twin."""
-    return (args, checkpointed(kwargs)) if torch.compiler.is_compiling() else None
-
-
-def _hook_wrappers(model) -> None:
     for module in model.modules():
-        if "_ringseq_twin" not in vars(module) and _saving_ring(module):
-            module._ringseq_twin = module.register_forward_pre_hook(_hand_twin, with_kwargs=True)
+        if not isinstance(module, CheckpointWrapper):
+            continue
+        fn = getattr(module.checkpoint_fn, "wrapped", module.checkpoint_fn)
+        if not (isinstance(fn, functools.partial) and fn.func is checkpoint):
+            continue
+        policy = fn.keywords.get("context_fn")
+        if policy is None or (isinstance(policy, functools.partial) and policy.func is create_selective_checkpoint_contexts
+                              and policy.args[:1] == (save_ring,)):
+            yield module
+
+
+def _keeping(fn, offload: bool, keep: bool):
+    """``fn`` (a checkpoint function) wrapped to keep ring outputs with these settings (``fn`` itself when it is)."""
+    if getattr(fn, "keeps_ring", False):
+        if (fn.offload, fn.keep) == (offload, keep):
+            return fn
+        fn = fn.wrapped
+    return checkpoint_keeping_ring(fn, offload=offload, keep=keep)
 
 
 def wrap(model, offload: bool, keep: bool = True) -> None:
-    """Make every checkpointed layer's checkpoint function keep ring outputs (``keep``) and
-    offload (``offload``), and torch's checkpoint wrappers under ``save_ring`` hand their layers the
-    checkpointed twin under compile; idempotent."""
-    _hook_wrappers(model)
+    """Make every checkpointed layer's checkpoint function (transformers' on the layer, torch's
+    ``checkpoint_wrapper``'s) keep ring outputs (``keep``) and offload (``offload``); idempotent."""
+    for wrapper in _wrapped_checkpoints(model):
+        inner = wrapper._checkpoint_wrapped_module
+        if getattr(inner, "_compiled_call_impl", None) is not None or isinstance(inner, OptimizedModule):
+            raise RingSeqError(COMPILED_INSIDE)
+        wrapper.checkpoint_fn = _keeping(wrapper.checkpoint_fn, offload, keep)
     for layer in _layers(model):
-        fn = layer._gradient_checkpointing_func
-        if getattr(fn, "keeps_ring", False):
-            if (fn.offload, fn.keep) == (offload, keep):
-                continue
-            fn = fn.wrapped
-        layer._gradient_checkpointing_func = checkpoint_keeping_ring(fn, offload=offload, keep=keep)
+        layer._gradient_checkpointing_func = _keeping(layer._gradient_checkpointing_func, offload, keep)
 
 
 def unwrap(model) -> None:
-    for module in model.modules():
-        if "_ringseq_twin" in vars(module):
-            vars(module).pop("_ringseq_twin").remove()
+    for wrapper in _wrapped_checkpoints(model):
+        wrapper.checkpoint_fn = getattr(wrapper.checkpoint_fn, "wrapped", wrapper.checkpoint_fn)
     for layer in _layers(model):
         fn = layer._gradient_checkpointing_func
         if getattr(fn, "keeps_ring", False):

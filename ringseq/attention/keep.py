@@ -117,7 +117,7 @@ def compiled_checkpoint(function, *args, **kwargs):
     """A checkpointed layer as dynamo traces it: torch's non-reentrant checkpoint under ``save_ring``."""
     from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    kwargs = {k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn")}
+    kwargs = checkpointed({k: v for k, v in kwargs.items() if k not in ("use_reentrant", "context_fn")})
     if isinstance(function, functools.partial):  # transformers' layer call: its kwargs bound in a partial
         function = functools.partial(function.func, *function.args, **checkpointed(function.keywords))
     return checkpoint(function, *args, use_reentrant=False,
@@ -173,9 +173,14 @@ def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool 
 
     def checkpoint(function, *args, **kwargs):
         if torch.compiler.is_compiling():  # traced by dynamo: the ring op's outputs saved, the rest recomputed
+            if _engine_inside(function):  # its hooks break the region's graph: kept eagerly (``eager_under_compile``)
+                return eager_under_compile(function, *args, **kwargs)
             if offload or (getattr(checkpoint_fn, "keywords", None) or {}).get("offload"):  # ours, or transformers'
                 args, kwargs = _refusing(args, kwargs, OFFLOAD_COMPILED)
             return compiled_checkpoint(function, *args, **kwargs)
+        return eagerly(function, *args, **kwargs)
+
+    def eagerly(function, *args, **kwargs):
         kept = Kept(offload=offload, record=keep)  # not recording: the runs are still told apart (``compiled``)
 
         def run(*a, **k):
@@ -187,5 +192,33 @@ def checkpoint_keeping_ring(checkpoint_fn, *, offload: bool = False, keep: bool 
         with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
             return checkpoint_fn(run, *args, **kwargs)
 
+    # an engine's hooks inside the region (DeepSpeed ZeRO-3's parameter fetches, FSDP units wrapped inside a
+    # checkpoint wrapper, as Accelerate's auto-wrap does) break its graph; dynamo would then run torch's selective
+    # checkpointing eagerly, whose recompute must repeat the forward's ops one for one, which the eager ring (its
+    # agreements, its kept outputs) does not: the region runs as eager checkpointing keeping the ring's outputs,
+    # uncompiled (a graph break at the call, where the engine's hooks make one anyway)
+    eager_under_compile = torch.compiler.disable(eagerly)
     checkpoint.keeps_ring, checkpoint.wrapped, checkpoint.offload, checkpoint.keep = True, checkpoint_fn, offload, keep
     return checkpoint
+
+
+def _engine_inside(function) -> bool:
+    """Whether the module a checkpoint function runs (transformers' ``partial(forward, layer, ...)``, a bound
+    method's partial, or a module: torch's ``checkpoint_wrapper``) holds an engine's hooks: DeepSpeed ZeRO-3
+    partitioned parameters, or FSDP units (FSDP2's ``fully_shard``, FSDP1) inside it."""
+    candidates = [function]
+    if isinstance(function, functools.partial):
+        candidates = [*function.args[:1], getattr(function.func, "__self__", None)]
+    modules = [m for m in candidates if isinstance(m, torch.nn.Module)]
+    return any(_engine_unit(sub) for m in modules for sub in m.modules()) or \
+        any(hasattr(p, "ds_id") for m in modules for p in m.parameters())
+
+
+def _engine_unit(module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2 in this namespace
+        FSDPModule = ()
+    return isinstance(module, (FSDPModule, FullyShardedDataParallel))
