@@ -62,12 +62,13 @@ class KVShard(CacheLayerMixin):
         In a compiled decode step the keeping is an op (``patches.compiled_decode``), which
         returns copies of the new keys and values: the decode attention op that follows attends
         to every key the layer holds."""
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and self.cache.prefill is None:
             from .compiled_decode import keep
 
             return keep(self, key_states, value_states)
         return self.keep(key_states, value_states)
 
+    @torch.compiler.disable  # the prefill in compiled layers (``layer.compile()``): kept eagerly, its graph broken here
     def keep(self, key_states, value_states):
         """``update``'s work, eagerly: (every key, every value) this rank holds for the layer."""
         if not self.is_initialized:

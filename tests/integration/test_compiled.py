@@ -91,21 +91,24 @@ def test_checkpointed_layers_compiled(pool2, pool4):
     """transformers' checkpointing under compile: the ops' outputs saved, the rest recomputed
     (keep_ring_outputs either way): a hybrid's layers with inductor (the one inductor case: both ops,
     inductor reusing the buffers the selective checkpointing frees), a whole model; torchtitan's
-    checkpoint_wrapper with ringseq's policy; without it, refused at the first backward; offload refused."""
+    checkpoint_wrapper with ringseq's policy and with none (FSDP's own checkpointing); with another policy of the
+    user's, refused at the first backward; offload refused."""
     pool2.run(cases_compiled.step, "qwen3_5", "layers", "padded", 1, "keep")  # inductor: both ops, saved
     pool4.run(cases_compiled.step, "llama", "model", "packed", 1, "replay", backend="aot_eager")
-    pool2.run(cases_compiled.wrapped_checkpointing, True)
-    pool2.run(cases_compiled.wrapped_checkpointing, False)
+    for policy in ("save_ring", "none", "other"):
+        pool2.run(cases_compiled.wrapped_checkpointing, policy)
 
 
 def test_generation_compiled(pool2):
     """generate on a compiled patched model: each decode step's attention is the op, tokens and scores
     the unpatched model's; a dense model (``model.compile()``; then the last rank's decode attention
     fails mid-generation: every rank raises in that step) and a hybrid whose attention block is one
-    module shared by two layers (Zamba2, ``torch.compile(model.forward)``). World 4: the eager decode
-    path's tests (test_generation.py); the ops run the same code."""
+    module shared by two layers (Zamba2, ``torch.compile(model.forward)``), and a dense model whose decoder
+    layers were compiled one by one (a training job's ``layer.compile()`` before GRPO generates). World 4: the
+    eager decode path's tests (test_generation.py); the ops run the same code."""
     pool2.run(cases_compiled.generation, "llama", "method", fail_at=3)
     pool2.run(cases_compiled.generation, "zamba2", "forward")
+    pool2.run(cases_compiled.generation, "llama", "layers")
 
 
 def test_vlm_generation_compiled(pool2):
