@@ -371,16 +371,18 @@ def assert_model_close(loss, grads: dict, plain_loss, plain_grads: dict, ref_los
     assert_named_close(grads, plain_grads, ref_grads, f"{what}: gradients")
 
 
-def assert_updates_close(got: dict, plain: dict, ref64: dict, start: dict, what: str) -> None:
+def assert_updates_close(got: dict, plain: dict, ref64: dict, start: dict, what: str,
+                         plain_start: dict | None = None) -> None:
     """Parameters after some optimizer steps, compared by what the steps changed (``p - start``):
     the parameters themselves are dominated by their initial values, whose rounding would hide
-    any error in the steps."""
-    def moved(params):  # exact: a difference of two numbers of the run's dtype fits in float64
-        return {n: params[n].double() - start[n].double() for n in start}
+    any error in the steps. ``plain_start``: where the plain run started when it holds its weights in
+    another dtype (a bf16 model beside fp32 master weights: the bf16 equivalent of mixed precision)."""
+    def moved(params, origin):  # exact: a difference of two numbers of the run's dtype fits in float64
+        return {n: params[n].double() - origin[n].double() for n in start}
 
     dtype = next(iter(got.values())).dtype
-    assert_named_close(moved(got), moved(plain), moved(ref64), what, rounded={n: p.double() for n, p in ref64.items()},
-                       dtype=dtype)
+    assert_named_close(moved(got, start), moved(plain, plain_start or start), moved(ref64, start), what,
+                       rounded={n: p.double() for n, p in ref64.items()}, dtype=dtype)
 
 
 def assert_refused(make, words: str) -> None:

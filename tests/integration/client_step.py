@@ -25,8 +25,10 @@ import tempfile
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from clients_common import (METRICS, SFT_SCENARIOS, dataset, lora, named_trainable, run_clm_metrics,  # noqa: E402
-                            run_clm_preprocess, sft_config, tiny_llama, tiny_vlm, tokenizer, vlm_processor)
+import matrix  # noqa: E402
+from clients_common import (METRICS, SFT_SCENARIOS, dataset, lora, matrix_run, named_trainable,  # noqa: E402
+                            plain_dtype, run_clm_metrics, run_clm_preprocess, sft_config, tiny_llama, tiny_vlm,
+                            tokenizer, vlm_processor)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -44,6 +46,7 @@ def gathered_trainable(trainer) -> dict:
     for name, p in model.named_parameters():
         if p.requires_grad:
             with deepspeed.zero.GatheredParameters([p]) if hasattr(p, "ds_id") else torch.no_grad():
+                name = name.replace("_checkpoint_wrapped_module.", "")  # torch's checkpoint_wrapper (matrix rows)
                 out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
     return out
 
@@ -79,12 +82,14 @@ def engine_args(engine, vlm: bool = False) -> dict:
         return {"fsdp": True, "fsdp_config": {"version": 2, **layers}}
     return {"deepspeed": {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
                           "train_batch_size": "auto", "gradient_clipping": "auto",
-                          "zero_optimization": {"stage": int(engine)}, "zero_allow_untested_optimizer": True}}
+                          "zero_optimization": {"stage": int(engine)}, "zero_allow_untested_optimizer": True,
+                          "bf16": {"enabled": "auto"}}}
 
 
 def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: str, model_dir: str | None,
-                 stage: int | str | None = None):
-    """Train (3 steps) and maybe evaluate; return (metrics per logged step, start, end trainable params)."""
+                 stage: int | str | None = None, row: dict | None = None):
+    """Train (3 steps) and maybe evaluate; return (metrics per logged step, start, end trainable params).
+    ``row``: a row of the GPU user's matrix (matrix.py) beside the scenario (its reference's)."""
     import transformers
 
     import ringseq
@@ -112,12 +117,15 @@ def run_scenario(name: str, *, ringseq_sp=None, dtype=torch.float32, out_dir: st
     else:
         import trl
 
-        bf16 = SFT_SCENARIOS[name].get("bf16", False) and dtype == torch.float32
+        bf16 = SFT_SCENARIOS[name].get("bf16", False) and dtype != torch.float64
         # compiled under ringseq only: the stock reference's arithmetic is the same, eagerly
         compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"} \
             if ringseq_sp and SFT_SCENARIOS[name].get("compile") else {}
-        args = sft_config(name, out_dir, use_cpu=True, bf16=bf16,
-                          **engine_args(stage, vlm=SFT_SCENARIOS[name].get("vlm", False)), **compiled)
+        engine = engine_args(stage, vlm=SFT_SCENARIOS[name].get("vlm", False))
+        if row is not None and row["checkpointing"] == "engine":
+            engine["fsdp_config"]["activation_checkpointing"] = True
+        args = sft_config(name, out_dir, use_cpu=True, **{"bf16": bf16, **engine, **compiled,
+                                                          **matrix_run(model, row)})
         cls = ringseq.SFTTrainer if ringseq_sp else trl.SFTTrainer
         data = SFT_SCENARIOS[name]["data"]
         text = vlm_processor() if SFT_SCENARIOS[name].get("vlm") else tokenizer()
@@ -143,7 +151,8 @@ def reference(args) -> None:
         tiny_llama().save_pretrained(model_dir)
         tokenizer().save_pretrained(model_dir)
         for name in args.scenarios:
-            plain = run_scenario(name, out_dir=os.path.join(tmp, name), model_dir=model_dir)
+            plain = run_scenario(name, dtype=plain_dtype(SFT_SCENARIOS.get(name, {})), out_dir=os.path.join(tmp, name),
+                                 model_dir=model_dir)
             exact = run_scenario(name, dtype=torch.float64, out_dir=os.path.join(tmp, name + "64"), model_dir=model_dir)
             results[name] = {"plain": plain, "exact": exact}
             print(f"reference {name}: {plain[0]}", flush=True)
@@ -177,18 +186,21 @@ def check(name: str, got, ref, rank: int) -> None:
             if key.endswith("num_tokens"):
                 assert m[key] == p[key], f"{where}: step {step} {key} {m[key]} != {p[key]}"
                 continue
-            tol = metric_tolerance(p[key], e[key], SFT_SCENARIOS.get(name, {}).get("bf16", False))
+            spec = SFT_SCENARIOS.get(name, {})
+            tol = metric_tolerance(p[key], e[key], spec.get("bf16", False) or "model_dtype" in spec)
             assert abs(m[key] - e[key]) <= tol, (f"{where}: step {step} {key} {m[key]!r} vs float64 {e[key]!r} "
                                                  f"(stock fp32 {p[key]!r}): off by {abs(m[key] - e[key]):.2e} > {tol:.2e}")
-    assert start.keys() == plain_start.keys() and all(torch.equal(start[k], plain_start[k]) for k in start), \
+    assert start.keys() == plain_start.keys() and all(torch.equal(start[k].to(plain_start[k].dtype), plain_start[k])
+                                                      for k in start), \
         f"{where}: the trainable parameters started elsewhere than in the stock run"
-    assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates")
+    assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates", plain_start=plain_start)
 
 
 def ringseq_run(args) -> None:
     import torch.distributed as dist
 
     import ringseq
+    from ringseq.testing import _Clean
 
     sp = ringseq.init(sp_size=int(os.environ.get("WORLD_SIZE", "1")))
     refs = torch.load(args.reference, weights_only=False)
@@ -200,10 +212,17 @@ def ringseq_run(args) -> None:
         tiny_llama().save_pretrained(model_dir)
         tokenizer().save_pretrained(model_dir)
     dist.barrier()
-    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage for this scenario) or NAME@fsdp
+    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage for this scenario), NAME@fsdp, matrix:ROW
         name, _, stage = item.partition("@")
-        got = run_scenario(name, ringseq_sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
-                           stage=stage or args.stage)
+        row = None
+        if item.startswith("matrix:"):  # a row of the GPU user's matrix, against its reference
+            row = matrix.parse(item.removeprefix("matrix:"))
+            name, stage = matrix.reference_of(row), matrix.stage_of(row)
+        clean = _Clean()  # the engine a scenario's arguments chose (Accelerate's state, its environment) ends with it
+        got = run_scenario(name, ringseq_sp=sp, out_dir=os.path.join(folder[0], item.replace(":", "_")), model_dir=model_dir,
+                           stage=stage or args.stage, row=row, dtype=torch.bfloat16 if row and row["precision"] == "bf16"
+                           else torch.float32)
+        clean.restore()
         check(name, got, refs[name], rank)
         print(f"rank {rank}: {item} ok: {got[0][-1]}", flush=True)
         dist.barrier()

@@ -138,6 +138,11 @@ SFT_SCENARIOS = {
     "vlm": dict(data="vlm", vlm=True, max_length=None, eval=True),
     "vlm_peft": dict(data="vlm", vlm=True, max_length=None, peft=True, gradient_checkpointing=True),
     "vlm_bf16": dict(data="vlm", vlm=True, max_length=None, bf16=True),
+    # the references of the GPU user's matrix (matrix.reference_of): stock TRL in a row's arithmetic, two steps (a
+    # row checks the configuration, the scenarios above check SFT)
+    **{f"matrix_{name}": dict(data="text", max_steps=2, **arithmetic)
+       for name, arithmetic in (("fp32", {}), ("autocast", {"bf16": True}), ("bf16", {"model_dtype": "bf16"}),
+                                ("bf16_autocast", {"bf16": True, "model_dtype": "bf16"}))},
 }
 METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", "eval_entropy",
            "eval_mean_token_accuracy", "eval_accuracy")
@@ -146,14 +151,15 @@ METRICS = ("loss", "entropy", "mean_token_accuracy", "num_tokens", "eval_loss", 
 def sft_config(name: str, out_dir: str, **extra):
     from trl import SFTConfig
 
-    s = {k: v for k, v in SFT_SCENARIOS[name].items() if k not in ("data", "eval", "peft", "model_id", "vlm", "compile")}
+    s = {k: v for k, v in SFT_SCENARIOS[name].items()
+         if k not in ("data", "eval", "peft", "model_id", "vlm", "compile", "model_dtype")}
     s.setdefault("bf16", False)
     s.setdefault("max_length", 64)
     s.update(extra)
-    return SFTConfig(output_dir=out_dir, max_steps=3, per_device_train_batch_size=2, per_device_eval_batch_size=2,
-                     learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=1.0,
-                     logging_steps=1, report_to=[], disable_tqdm=True, save_strategy="no", seed=0,
-                     dataloader_drop_last=False, **s)
+    return SFTConfig(**{**dict(output_dir=out_dir, max_steps=3, per_device_train_batch_size=2,
+                               per_device_eval_batch_size=2, learning_rate=0.5, lr_scheduler_type="constant",
+                               optim="sgd", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
+                               disable_tqdm=True, save_strategy="no", seed=0, dataloader_drop_last=False), **s})
 
 
 def lora(vlm: bool = False):
@@ -178,3 +184,33 @@ def run_clm_metrics(eval_preds):
     labels = labels[:, 1:].reshape(-1)
     preds = preds[:, :-1].reshape(-1)
     return {"accuracy": float((preds == labels).mean())}
+
+
+def plain_dtype(spec: dict):
+    """The stock run's model dtype for a scenario (its float64 twin is the exact one)."""
+    return torch.bfloat16 if spec.get("model_dtype") == "bf16" else torch.float32
+
+
+def matrix_run(model, row: dict | None) -> dict:
+    """A matrix row's settings for a TRL trainer beside its scenario's (matrix.py; ringseq's run only: the
+    stock reference computes the same arithmetic eagerly and without checkpointing): the model's layers
+    compiled or wrapped as the user would hand them over, and the trainer's own arguments (FSDP's activation
+    checkpointing, transformers' checkpointing, ``torch_compile``)."""
+    if row is None:
+        return {}
+    from matrix import checkpoint, compile_layers
+
+    how = row["checkpointing"]
+    args = {"gradient_checkpointing": how in ("hf", "hf_reentrant")}  # TRL's configs enable it by default
+    if how in ("hf", "hf_reentrant"):
+        args["gradient_checkpointing_kwargs"] = {"use_reentrant": how == "hf_reentrant"}
+    elif how == "wrapper":
+        checkpoint(model, how)
+    if row["compile"] == "layers":
+        compile_layers(model)
+    elif row["compile"] == "whole":
+        torch._dynamo.reset()
+        args.update(torch_compile=True, torch_compile_backend="aot_eager")
+    if row["precision"] == "mp":
+        args["bf16"] = True
+    return args

@@ -32,7 +32,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from client_step import engine_args, gathered_trainable, metric_tolerance  # noqa: E402
-from clients_common import WORDS, lora, tiny_llama, tokenizer  # noqa: E402
+import matrix  # noqa: E402
+from clients_common import WORDS, lora, matrix_run, plain_dtype, tiny_llama, tokenizer  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
@@ -50,6 +51,12 @@ SCENARIOS = {
     # a LLaVA on conversational prompts with two pictures each (TRL's multimodal GRPO: its processor, its
     # image fields through generate and the fused LM head)
     "vlm": dict(loss_type="grpo", vlm=True),
+    # the references of the GPU user's matrix (matrix.reference_of): stock TRL in a row's arithmetic, one step of
+    # one group (a row checks the configuration, the scenarios above check GRPO)
+    **{f"matrix_{name}": dict(loss_type="grpo", max_steps=1, gradient_accumulation_steps=1, max_completion_length=8,
+                              **arithmetic)
+       for name, arithmetic in (("fp32", {}), ("autocast", {"bf16": True}), ("bf16", {"model_dtype": "bf16"}),
+                                ("bf16_autocast", {"bf16": True, "model_dtype": "bf16"}))},
 }
 EQUAL = ("reward", "reward_std", "rewards/", "frac_reward_zero_std", "completions/", "num_tokens")
 CLOSE = ("loss", "kl", "entropy", "clip_ratio/region_mean", "grad_norm")
@@ -131,25 +138,19 @@ def recording(base):
     return Recorded
 
 
-def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model_dir: str, stage=None):
+def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model_dir: str, stage=None, row=None):
     """Two optimizer steps; returns (what was seen, logged metrics, start, end trainable params,
-    reward calls)."""
+    reward calls). ``row``: a row of the GPU user's matrix (matrix.py) beside the scenario (its reference's)."""
     import trl
 
     import ringseq
 
     spec = SCENARIOS[name]
-    settings = {k: v for k, v in spec.items() if k not in ("model_id", "peft", "eval", "reward_model", "vlm", "compile")}
+    settings = {k: v for k, v in spec.items()
+                if k not in ("model_id", "peft", "eval", "reward_model", "vlm", "compile", "model_dtype")}
     if sp is not None and spec.get("compile"):  # the stock reference runs eagerly: the same arithmetic
         settings.update(torch_compile=True, torch_compile_backend="aot_eager")
-    bf16 = settings.pop("bf16", False) and dtype == torch.float32
-    args = trl.GRPOConfig(
-        output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        num_generations=4, max_completion_length=12, temperature=0.9, learning_rate=0.5, optim="sgd",
-        lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
-        disable_tqdm=True, save_strategy="no", seed=0, per_device_eval_batch_size=4, use_cpu=True, bf16=bf16,
-        **engine_args(stage, vlm=spec.get("vlm", False)),
-        model_init_kwargs={"dtype": dtype} if spec.get("model_id") else None, **settings)
+    bf16 = settings.pop("bf16", False) and dtype != torch.float64
     if spec.get("model_id"):
         model = model_dir
     elif spec.get("vlm"):
@@ -158,6 +159,19 @@ def run_scenario(name: str, *, sp=None, dtype=torch.float32, out_dir: str, model
         model = tiny_vlm(dtype)
     else:
         model = tiny_llama(dtype)
+    engine = engine_args(stage, vlm=spec.get("vlm", False))
+    if row is not None:
+        if row["checkpointing"] == "engine":
+            engine["fsdp_config"]["activation_checkpointing"] = True
+        settings.update(matrix_run(model, row))
+        bf16 = settings.pop("bf16", bf16)
+    args = trl.GRPOConfig(**{
+        **dict(output_dir=out_dir, max_steps=2, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+               num_generations=4, max_completion_length=12, temperature=0.9, learning_rate=0.5, optim="sgd",
+               lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=1.0, logging_steps=1, report_to=[],
+               disable_tqdm=True, save_strategy="no", seed=0, per_device_eval_batch_size=4, use_cpu=True, bf16=bf16,
+               model_init_kwargs={"dtype": dtype} if spec.get("model_id") else None),
+        **engine, **settings})
     cls = recording(ringseq.GRPOTrainer if sp is not None else trl.GRPOTrainer)
     rewards = dict(reward_funcs=reward_two_words)
     if spec.get("reward_model"):  # a model beside the function: TRL runs it on the prompt + completion texts
@@ -232,7 +246,8 @@ def reference(args) -> None:
         dist.barrier()
     results = {}
     for name in args.scenarios:
-        plain = run_scenario(name, out_dir=os.path.join(work, name), model_dir=model_dir)
+        plain = run_scenario(name, dtype=plain_dtype(SCENARIOS[name]), out_dir=os.path.join(work, name),
+                             model_dir=model_dir)
         exact = run_scenario(name, dtype=torch.float64, out_dir=os.path.join(work, name + "64"), model_dir=model_dir)
         tokens = [[t for kind, t in run[0] if kind == "tokens"] for run in (plain, exact)]
         assert len(tokens[0]) == len(tokens[1]) and all(map(torch.equal, *tokens)), \
@@ -262,8 +277,8 @@ def check(name: str, got, ref, rank: int, group_rank: int) -> None:
     for i, ((kind, t), (_, p), (_, e)) in enumerate(zip(seen, plain_seen, exact_seen)):
         if kind == "tokens":
             assert torch.equal(t, p), f"{where}: generation {i}: other prompts or completions than TRL's\n{t}\n{p}"
-        else:
-            assert_close(t, p, e.double(), f"{where}: pass {i} ({kind})")
+        else:  # FSDP2's bf16 policy casts the model's outputs to bf16 (output_dtype): the stock values so rounded
+            assert_close(t, p.to(t.dtype), e.double(), f"{where}: pass {i} ({kind})")
     assert [sorted(m) for m in logged] == [sorted(m) for m in plain_logged], \
         f"{where}: logged {logged} but the stock run logged {plain_logged}"
     for step, (m, p, e) in enumerate(zip(logged, plain_logged, exact_logged)):
@@ -271,19 +286,21 @@ def check(name: str, got, ref, rank: int, group_rank: int) -> None:
             if key.removeprefix("eval_").startswith(EQUAL):
                 assert m[key] == p[key], f"{where}: step {step} {key} {m[key]} != {p[key]}"
                 continue
-            tol = metric_tolerance(p[key], e[key], SCENARIOS[name].get("bf16", False))
+            spec = SCENARIOS[name]
+            tol = metric_tolerance(p[key], e[key], spec.get("bf16", False) or "model_dtype" in spec)
             assert abs(m[key] - e[key]) <= tol, (f"{where}: step {step} {key} {m[key]!r} vs float64 {e[key]!r} (stock "
                                                  f"fp32 {p[key]!r}): off by {abs(m[key] - e[key]):.2e} > {tol:.2e}")
-    assert start.keys() == plain_start.keys() and all(torch.equal(start[k], plain_start[k]) for k in start), \
+    assert start.keys() == plain_start.keys() and all(torch.equal(start[k].to(plain_start[k].dtype), plain_start[k])
+                                                      for k in start), \
         f"{where}: the trainable parameters started elsewhere than in the stock run"
-    assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates")
+    assert_updates_close(end, plain_end, exact_end, start, f"{where}: parameter updates", plain_start=plain_start)
 
 
 def ringseq_run(args) -> None:
     import torch.distributed as dist
 
     import ringseq
-    from ringseq.testing import assert_refused
+    from ringseq.testing import _Clean, assert_refused
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     sp = ringseq.init(sp_size=args.sp_size or world)
@@ -296,10 +313,17 @@ def ringseq_run(args) -> None:
     if rank == 0:
         tiny_llama().save_pretrained(model_dir)
     dist.barrier()
-    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage) or NAME@fsdp (FSDP2)
+    for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage), NAME@fsdp (FSDP2) or matrix:ROW
         name, _, stage = item.partition("@")
-        got = run_scenario(name, sp=sp, out_dir=os.path.join(folder[0], item), model_dir=model_dir,
-                           stage=stage or None)
+        row = None
+        if item.startswith("matrix:"):  # a row of the GPU user's matrix, against its reference
+            row = matrix.parse(item.removeprefix("matrix:"))
+            name, stage = matrix.reference_of(row), matrix.stage_of(row)
+        clean = _Clean()  # the engine a scenario's arguments chose (Accelerate's state, its environment) ends with it
+        got = run_scenario(name, sp=sp, out_dir=os.path.join(folder[0], item.replace(":", "_")), model_dir=model_dir,
+                           stage=stage or None, row=row,
+                           dtype=torch.bfloat16 if row and row["precision"] == "bf16" else torch.float32)
+        clean.restore()
         check(name, got, refs[name], rank, sp.rank)
         print(f"rank {rank}: {item} ok: {got[1][-1]}", flush=True)
         dist.barrier()
