@@ -32,6 +32,12 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
 (6) ``trainer_fsdp2`` ringseq.Trainer with FSDP2 (``fsdp_config={"version": 2}``) on the GPU: two steps
                  of a patched tiny Llama against the unpatched model's (on the CPU: skipped, the tests
                  run it at 2 and 4 processes).
+(7) ``fsdp2_bf16`` FSDP2 per layer and root under torchtitan's bf16 policy (``MixedPrecisionPolicy(bf16, fp32)``),
+                 eager and with compiled layers, against the unpatched model in the same arithmetic
+                 (``gpu_engines.check_fsdp2_bf16``; the CPU too).
+(8) ``entry_bf16`` every entry point (Trainer, Accelerate, SFTTrainer, GRPOTrainer) with its own ``bf16=True``
+                 under FSDP2, eager and with ``torch_compile=True``, against the same client without ringseq
+                 (``gpu_engines.check_entries_bf16``; GPU only, TRL's rows where TRL is installed).
 
 The first line says where it ran (torch, device, which flash implementation the flash ops run).
 Off CUDA FlexAttention runs forward only (torch has no CPU backward for it): (3) checks its forward
@@ -50,6 +56,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_engines  # noqa: E402
 import gpu_speed  # noqa: E402
 
 import ringseq  # noqa: E402
@@ -467,7 +474,9 @@ def check_trainer_fsdp2(args, rows):
 CHECKS = {"ring": lambda args, rows: gpu_speed.check_ring(args, rows, _record),
           "blocks": lambda args, rows: gpu_speed.check_blocks(args, rows, _record),
           "kernels": check_kernels, "model": check_model, "compiled": check_compiled,
-          "trainer_fsdp2": check_trainer_fsdp2}
+          "trainer_fsdp2": check_trainer_fsdp2,
+          "fsdp2_bf16": lambda args, rows: gpu_engines.check_fsdp2_bf16(args, rows, _record, _world_of_one),
+          "entry_bf16": lambda args, rows: gpu_engines.check_entries_bf16(args, rows, _record, _world_of_one)}
 
 
 def main(argv=None) -> int:

@@ -138,9 +138,14 @@ def test_gpu_check_runs_its_cpu_part():
     rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
     summary = rows.pop()
     assert summary["summary"] and summary["failures"] == 0 and summary["checks"] == len(rows)
-    # the FSDP2 Trainer row needs a GPU in one process (its CPU runs are tests/integration/test_trainer.py's)
-    assert all(r["ok"] for r in rows) and [r["check"] for r in rows if r.get("skipped")] == ["trainer_fsdp2"]
-    assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model", "compiled", "trainer_fsdp2"}
+    # the clients' FSDP2 rows need a GPU in one process (their CPU runs: test_trainer.py's, test_matrix.py's)
+    assert all(r["ok"] for r in rows) and {r["check"] for r in rows if r.get("skipped")} == {"trainer_fsdp2", "entry_bf16"}
+    assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model", "compiled", "trainer_fsdp2",
+                                          "fsdp2_bf16", "entry_bf16"}
+    fsdp2 = [r for r in rows if r["check"] == "fsdp2_bf16"]  # torchtitan's bf16 policy, eager and compiled layers
+    assert [r["compiled_layers"] for r in fsdp2] == [False, True] and not any(r.get("skipped") for r in fsdp2)
+    assert {(r["entry"], r["compiled"]) for r in rows if r["check"] == "entry_bf16"} == {
+        (e, c) for e in ("trainer", "accelerate", "sft", "grpo") for c in (False, True)}
     kernels = [r for r in rows if r["check"] == "kernels" and "layout" not in r]
     assert {r["kernel"] for r in kernels} == {"cpu_flash", "flex", "torch", "auto"}
     assert {r["feature"] for r in kernels} == {"dense causal", "documents", "padding", "window", "softcap", "sinks", "GQA"}
