@@ -314,11 +314,7 @@ def ringseq_run(args) -> None:
         tiny_llama().save_pretrained(model_dir)
     dist.barrier()
     for item in args.scenarios:  # NAME, NAME@STAGE (a DeepSpeed ZeRO stage), NAME@fsdp (FSDP2) or matrix:ROW
-        name, _, stage = item.partition("@")
-        row = None
-        if item.startswith("matrix:"):  # a row of the GPU user's matrix, against its reference
-            row = matrix.parse(item.removeprefix("matrix:"))
-            name, stage = matrix.reference_of(row), matrix.stage_of(row)
+        name, stage, row = matrix.scenario(item)
         clean = _Clean()  # the engine a scenario's arguments chose (Accelerate's state, its environment) ends with it
         got = run_scenario(name, sp=sp, out_dir=os.path.join(folder[0], item.replace(":", "_")), model_dir=model_dir,
                            stage=stage or None, row=row,

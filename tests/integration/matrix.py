@@ -132,6 +132,17 @@ def reference_of(row: dict) -> str:
     return f"matrix_{precision}"
 
 
+def scenario(item: str) -> tuple[str, str | int | None, dict | None]:
+    """A TRL script's scenario argument -> (the scenario whose reference it is checked against, the engine as
+    ``stage_of`` names it, the matrix row or None): ``NAME``, ``NAME@STAGE`` (a ZeRO stage or ``fsdp``) or
+    ``matrix:ROW`` (a row of this matrix)."""
+    if item.startswith("matrix:"):
+        row = parse(item.removeprefix("matrix:"))
+        return reference_of(row), stage_of(row), row
+    name, _, stage = item.partition("@")
+    return name, stage or None, None
+
+
 def stage_of(row: dict):
     """The engine as client_step.py / grpo_step.py name it: None (DDP), "fsdp" (FSDP2) or a ZeRO stage."""
     return {"ddp": None, "fsdp2": "fsdp", "zero2": 2, "zero3": 3}[row["engine"]]
