@@ -72,8 +72,10 @@ class SequenceParallel:
     """The model-parallel unit to give DeepSpeed, if any (``ringseq.mpu``): every rank data-parallel,
     as ringseq's gradient rule wants DeepSpeed to average over all of them."""
     check_group: dist.ProcessGroup | None = None
-    """A CPU (gloo) group over the ranks of ``group``, for the lockstep records
-    (``ringseq.lockstep``); ``group`` itself unless that is NCCL."""
+    """A CPU (gloo) group over the ranks of ``group``, ringseq's control traffic alone: the lockstep records,
+    shared outcomes, a generation step's and GRPO's small broadcasts (``ringseq.lockstep``). Always a group of its
+    own (never the world group an engine's collectives run on, even when the sequence group is the world): after a
+    failure no engine collective can pair with a record, nor a record with a collective of the engine's."""
     sequence_groups: tuple[tuple[int, ...], ...] = ()
     """Every sequence group's global ranks (``ringseq.engines`` checks that an engine averages over
     whole groups)."""
@@ -85,7 +87,9 @@ class SequenceParallel:
 
     @property
     def nccl(self) -> bool:
-        return self.check_group is not self.group
+        """Whether the sequence group's collectives and transfers run on the accelerator's backend (NCCL; else
+        gloo, whose waits take a timeout)."""
+        return self.group is not None and dist.get_backend(self.group) != "gloo"
 
     @property
     def mesh(self):
@@ -155,13 +159,13 @@ def sequence_lists(ranks: torch.Tensor) -> list[list[int]]:
 
 
 def _group(ranks, made: dict, **options):
-    """The group of these ranks: the world group for all of them, else one made once per
-    ``init`` (every gloo group keeps its own connections and threads, so none is made twice).
-    Its group ranks follow the list's order, which node placement (``grid``) may leave unsorted:
-    a rank's place in its list is its place in the group's collectives."""
+    """The group of these ranks, made once per ``init`` (every gloo group keeps its own connections and
+    threads, so none is made twice). Never the world group, even for every rank: that is where engines (DDP,
+    FSDP over the world) run their collectives, and ringseq's must not share their order (after a failure an
+    engine's collective would pair with one of ringseq's; ``ringseq.engines.recover`` counts the engine's).
+    Its group ranks follow the list's order, which node placement (``grid``) may leave unsorted: a rank's place
+    in its list is its place in the group's collectives."""
     ranks = tuple(ranks)
-    if ranks == tuple(range(dist.get_world_size())) and not options.get("backend"):
-        return dist.group.WORLD
     key = (ranks, options.get("backend"))
     if key not in made:
         if len(ranks) == 1:  # a group of one: only its member needs to take part
@@ -241,9 +245,8 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
         ulysses_group, uly_ranks = _build_groups(axis_lists(ranks, "ulysses"), me, made, **bound)
     else:
         ulysses_group, uly_ranks = None, (me,)
-    check_group = group
-    if dist.get_backend() != "gloo":  # lockstep records are CPU integers: they travel by gloo
-        check_group, _ = _build_groups(sequence_lists(ranks), me, made, backend="gloo", **bound)
+    # the control traffic's own gloo group (records are CPU integers), apart from every group an engine uses
+    check_group, _ = _build_groups(sequence_lists(ranks), me, made, backend="gloo", **bound)
     fields = dict(
         group=group, rank=seq_ranks.index(me), size=sp_size, ranks=seq_ranks,
         dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=ranks.size(0), layout=layout,
