@@ -15,7 +15,7 @@ import functools
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 
-from ringseq import engines, lockstep, versions
+from ringseq import engines, lockstep, recovery, versions
 from ringseq.batch import ShardedBatch, sharded
 from ringseq.errors import RingSeqError
 from ringseq.loss import chunked_cross_entropy, count_targets, cross_entropy, slab_tokens
@@ -112,7 +112,7 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
         except RingSeqError:
             raise
         except BaseException as exc:
-            _failed(self._ringseq_patch, exc, "a decode step")
+            lockstep.mark_failed(self._ringseq_patch.sp, f"a decode step: {type(exc).__name__}: {exc}")
             raise
         return generation.decoded(self, self._ringseq_patch, step.cache, hidden, logits_to_keep)
     if not isinstance(step, _Step):
@@ -126,17 +126,43 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                                               inputs_embeds=step.local.get("inputs_embeds"),
                                               position_ids=step.local["position_ids"], use_cache=False,
                                               ringseq=step.batch, **step.kwargs)
-    except RingSeqError:
-        raise
+        out = _outputs(self, step, num_items_in_batch, fused_lm_head, logits_fn)
     except BaseException as exc:
-        _failed(step.handle, exc)
+        _failed(self, exc)
         raise
-    return _outputs(self, step, num_items_in_batch, fused_lm_head, logits_fn)
+    _opened(self, out)
+    return out
 
 
 @torch.compiler.disable
-def _failed(handle, exc: BaseException, what: str = "the patched forward") -> None:
-    lockstep.mark_failed(handle.sp, f"{what}: {type(exc).__name__}: {exc}")
+def _failed(model, exc: BaseException, what: str = "the patched forward") -> None:
+    """This rank leaves a training or scoring forward with ``exc``: its note (unless ringseq raised it, which
+    left one), every rank of the group told in this step (the peers raise at the agreement or layer gate they
+    wait in, before any engine collective this rank would not make) and the engine around the model back to
+    idle with every other rank (``ringseq.recovery``)."""
+    recovery.step_failed(model._ringseq_patch.sp, exc, what, model)
+
+
+@torch.compiler.disable
+def _opened(model, out) -> None:
+    """A training forward returned tensors with a gradient: until its backward ends, a backward failure is this
+    step's (``ringseq.recovery``), and the backward ends with the group's agreement, queued by the first of them
+    to get its gradient. Its hooks are registered before any engine's on the same outputs (FSDP2's root registers
+    its own when this forward returns), so the agreement runs before the engine's final callbacks: a rank whose
+    backward failed after the last ring call (in the embedding's backward) is met there, before the root's
+    reduce-scatters it would never make."""
+    tensors = [t for t in (out.values() if hasattr(out, "values") else ()) if torch.is_tensor(t) and t.requires_grad]
+    if not tensors:
+        return
+    sp = model._ringseq_patch.sp
+    lockstep.open_step(sp)
+    engines.opened(sp)
+
+    def queue_the_end(grad):
+        lockstep.check_at_end_of_backward(sp)
+
+    for t in tensors:
+        t.register_hook(queue_the_end)
 
 
 @torch.compiler.disable
@@ -190,10 +216,8 @@ def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, label
         step.vision = dict(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
                            position_ids=position_ids, labels=labels, shift_labels=shift_labels, kwargs=kwargs,
                            balance=balance)
-    except RingSeqError:
-        raise  # ringseq's own failures have told the peers already
     except BaseException as exc:  # peers waiting in a later layer's ring learn who failed (``ringseq.peers``)
-        _failed(handle, exc)
+        _failed(self, exc)
         raise
     return step
 

@@ -17,6 +17,7 @@ import types
 
 import torch
 
+from ringseq import engines, recovery
 from ringseq.errors import RingSeqError
 from ringseq.topology import check_sp
 
@@ -167,6 +168,7 @@ def patch(model, *, sp, chunked_loss: bool = True, tiled_mlp=None, keep_ring_out
     model._ringseq_patch = handle
     model.forward = types.MethodType(_forward, model)
     model.generate = types.MethodType(_generate, model)
+    recovery.watch_backward()  # a backward pass that fails in a patched step recovers it on every rank
     mixers.install(model, handle)
     if tiled_mlp is not None:
         tiling.install(model, tiled_mlp)
@@ -214,6 +216,7 @@ def unpatch(model):
     tiling.uninstall(model)
     checkpointing.unwrap(_transformers_model(model))
     checkpointing.unwrap(model)
+    engines.ungate(model)
     if handle.previous_forward is None:
         del model.forward
     else:

@@ -26,7 +26,9 @@ A model no engine wraps is the raw loop: its owner averages every gradient over 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -83,7 +85,253 @@ def check(model, sp) -> Sharding | None:
             _deepspeed(engine, sp)
         if states:
             _fsdp2(model, states, sp)
+    _record(sp, model, ddps, fsdp1, states, engines)
+    if sp.size > 1:
+        _gate_units(model, sp, fsdp1, _found[sp.ranks]["zero3"])
     return _sharding(states, fsdp1)
+
+
+# --------------------------------------------------------------------------- failures inside a step
+_found: dict = {}
+"""Per sequence group (its ranks): the engines around its patched model at the last training forward (weak
+references) and, once the forward returned (``opened``), the engines' collective counts then."""
+
+
+def _record(sp, model, ddps, fsdp1, states, engines) -> None:
+    roots = [m for m in states if getattr(m._get_fsdp_state(), "_is_root", False)]
+    zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    _found[sp.ranks] = {"ddp": [weakref.ref(d) for d in ddps], "fsdp2": [weakref.ref(r) for r in roots],
+                        "fsdp1": bool(fsdp1), "deepspeed": bool(engines) or zero3, "zero3": zero3, "base": None,
+                        "model": weakref.ref(model)}
+
+
+def _live(refs) -> list:
+    return [m for m in (r() for r in refs) if m is not None]
+
+
+def _ddp_group(ddp):
+    """The process group DDP reduces its buckets over (a comm hook's, where one has a group as its state)."""
+    hooks = list(getattr(ddp, "_comm_hooks", []))
+    state = hooks[0][1] if hooks else None
+    return state if isinstance(state, dist.ProcessGroup) else (ddp.process_group or dist.group.WORLD)
+
+
+def opened(sp) -> None:
+    """A patched training forward of ``sp`` returned: the DDP groups' collective counts now, from which a failed
+    backward's bucket all-reduces are counted (``recover``)."""
+    found = _found.get(sp.ranks)
+    if found is not None and found["ddp"]:
+        found["base"] = [_ddp_group(d)._get_sequence_number_for_group() for d in _live(found["ddp"])]
+
+
+def _gate_units(model, sp, fsdp1, zero3: bool) -> None:
+    """Gates around the units whose collectives run inside a patched step: FSDP units below the root (FSDP2's
+    ``fully_shard`` on a layer, FSDP1's wrapped layers) and, under DeepSpeed ZeRO-3, the decoder layers. Before
+    a unit's forward (and its all-gather) the group agrees (``lockstep`` kind "layer"); in the backward before the
+    unit's own hooks on its output (FSDP2's pre-backward all-gather: "layer backward start"), and after its
+    backward, before FSDP2's reduce-scatter ("layer backward"). A rank whose step failed
+    in the unit before tells its group (``ringseq.recovery``); without the gates its peers would wait in a
+    collective that rank never makes, and neither could go on. With them every rank meets at a gate and raises
+    there, the engine's collectives of the step alike on every rank."""
+    fsdp2 = _fsdp2_class()
+    units = [m for m in model.modules() if m is not model and ((fsdp2 is not None and isinstance(m, fsdp2))
+                                                               or any(m is f for f in fsdp1))]
+    if zero3:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        units += list(getattr(decoder, "layers", None) or [])
+    for unit in units:
+        if "_ringseq_gate" not in vars(unit):
+            unit._ringseq_gate = (unit.register_forward_pre_hook(functools.partial(_gate, sp), prepend=True),
+                                  unit.register_forward_pre_hook(functools.partial(_gate_backward, sp),
+                                                                 with_kwargs=True),
+                                  unit.register_forward_hook(functools.partial(_gate_backward_start, sp), prepend=True))
+    if units and "_ringseq_gate" not in vars(model):  # a group broken by an earlier failure: refused before any
+        model._ringseq_gate = (model.register_forward_pre_hook(functools.partial(_refuse_broken, sp), prepend=True),)
+
+
+@torch.compiler.disable
+def _gate(sp, module, args) -> None:
+    from . import lockstep
+
+    if lockstep.in_batch():  # a patched forward's decoder (not a generation step's)
+        lockstep.agree(sp, "layer", {})
+
+
+@torch.compiler.disable
+def _gate_backward(sp, module, args, kwargs):
+    """The unit's input through ``_Gate``: its backward runs after the unit's (FSDP2's post-backward hooks sit
+    on the inputs before this hook ran)."""
+    from . import lockstep
+
+    if not (lockstep.in_batch() and torch.is_grad_enabled()):
+        return None
+    if args and torch.is_tensor(args[0]) and args[0].requires_grad:
+        return (_Gate.apply(args[0], sp), *args[1:]), kwargs
+    if torch.is_tensor(kwargs.get("hidden_states")) and kwargs["hidden_states"].requires_grad:
+        return args, {**kwargs, "hidden_states": _Gate.apply(kwargs["hidden_states"], sp)}
+    return None
+
+
+@torch.compiler.disable
+def _gate_backward_start(sp, module, args, output):
+    """A hook on the unit's output, registered before the engine's (this forward hook runs before FSDP2's
+    post-forward, which registers its pre-backward hooks on the same tensors): the group agrees before the
+    unit's backward and its all-gather."""
+    from . import lockstep
+
+    if not (lockstep.in_batch() and torch.is_grad_enabled()):
+        return None
+    first = output if torch.is_tensor(output) else next((t for t in (output if isinstance(output, tuple) else ())
+                                                         if torch.is_tensor(t)), None)
+    if first is not None and first.requires_grad:
+        first.register_hook(functools.partial(_agree_backward_start, sp))
+    return None
+
+
+def _agree_backward_start(sp, grad) -> None:
+    from . import lockstep
+
+    lockstep.agree(sp, "layer backward start", {})
+
+
+class _Gate(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, sp):
+        ctx.sp = sp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from . import lockstep
+
+        lockstep.agree(ctx.sp, "layer backward", {})
+        return grad, None
+
+
+@torch.compiler.disable
+def _refuse_broken(sp, module, args) -> None:
+    from . import lockstep
+
+    lockstep.check_broken(sp)
+
+
+def ungate(model) -> None:
+    """Remove the gates ``check`` put on the model's units (``ringseq.unpatch``)."""
+    for module in model.modules():
+        if "_ringseq_gate" in vars(module):
+            for handle in vars(module).pop("_ringseq_gate"):
+                handle.remove()
+
+
+def recover(sp, model=None, backward: bool = False) -> None:
+    """Every rank of a group calls it as it leaves a step that failed on any rank (``ringseq.recovery``): the
+    engines around its patched model back to idle, so that the next step's collectives are the same on every
+    rank. The ranks first compare their engines' collective counts (one record over the control group):
+
+    - DDP: the gradient buckets the others launched and this rank did not (it failed before their gradients were
+      ready) are all-reduced here with zeros, in bucket order, then every rank resets its reducer;
+    - FSDP2: with equal counts (the gates see to it), ``reset_iter_state`` on its root and the gradients it
+      held unsharded dropped; otherwise the group is broken;
+    - FSDP1, DeepSpeed ZeRO-3, and DeepSpeed after a failed backward: their per-step state has no reset
+      (ZeRO-3's prefetches, ZeRO's gradient partitions): the group is marked broken, and the next step raises
+      ``RingSeqError`` saying to resume from a checkpoint, before any collective.
+
+    After a failed backward every parameter's gradient is dropped on every rank (the step's partial gradients,
+    some already reduced, would add into the next step's). Raises ``RingSeqError`` when the peers do not come."""
+    from . import lockstep
+
+    found = _found.get(sp.ranks)
+    if found is None:
+        return
+    model = model if model is not None else found["model"]()
+    if backward and model is not None:
+        for p in model.parameters():
+            p.grad = None
+    ddps, roots = _live(found["ddp"]), _live(found["fsdp2"])
+    if lockstep.state(sp).broken or not (ddps or roots or found["fsdp1"] or found["deepspeed"]):
+        return  # no engine, or none left to match: nothing to compare (a rank may wait at its next batch)
+    ddp_groups = [_ddp_group(d) for d in ddps]
+    fsdp_groups = list({id(g): g for r in roots for g in _fsdp2_groups(r)}.values())
+    counts = [g._get_sequence_number_for_group() for g in ddp_groups + fsdp_groups]
+    table = [counts]
+    if counts:  # every rank leaving the failed step compares them here
+        table = lockstep.exchange_counts(sp, counts, "the engines' collective counts after a failed step")
+    for i, ddp in enumerate(ddps):
+        _match_ddp(ddp, ddp_groups[i], [row[i] for row in table], (found["base"] or [None] * len(ddps))[i],
+                   backward)
+    fsdp_counts = [row[len(ddps):] for row in table]
+    why = None
+    if roots and any(c != fsdp_counts[0] for c in fsdp_counts):
+        why = ("FSDP2's collectives of the failed step differ between the ranks (an explicit prefetch, or units "
+               "ringseq does not gate)")
+    elif found["fsdp1"]:
+        why = "FSDP1 keeps per-step state it cannot reset (use FSDP2, fully_shard, whose reset_iter_state ringseq calls)"
+    elif found["zero3"]:
+        why = "DeepSpeed ZeRO-3 keeps prefetched parameters and partitioned gradients it cannot reset"
+    elif found["deepspeed"] and backward:
+        why = "DeepSpeed keeps the failed backward's partitioned gradients and reduction buckets, which it cannot reset"
+    if why is None:
+        for root in roots:
+            _reset_fsdp2(root, sp)
+    else:
+        lockstep.mark_broken(sp, f"a step failed under an engine that cannot go on: {why}. Resume from the last "
+                                 f"checkpoint (every rank restarts)")
+
+
+def _match_ddp(ddp, group, counts: list, base, backward: bool) -> None:
+    """DDP after a failed step: the bucket all-reduces the other ranks made (their count beyond this rank's)
+    made here with zeros, in bucket order, so no collective of the failed step is left unmatched; then the
+    reducer reset (its next forward rebuilds its buckets, on every rank alike)."""
+    mine = group._get_sequence_number_for_group()
+    missing = max(counts) - mine
+    if missing and base is not None:
+        buckets = ddp.reducer._get_zeros_like_grad_buckets()
+        done = mine - base
+        works = [ddp.reducer._run_comm_hook(b) for b in buckets[done:done + missing]]
+        extra = missing - len(works)
+        if extra > 0 and ddp.find_unused_parameters:  # the used-parameter map's all-reduce, after the last bucket
+            ddp._match_unused_params_allreduce()
+        for work in works:
+            work.wait()
+    ddp.reducer._reset_state()
+
+
+def _fsdp2_groups(root) -> list:
+    groups = []
+    for each in root._get_fsdp_state()._state_ctx.all_states:
+        for group in _param_groups_of(each):
+            info = group.mesh_info
+            for name in ("shard_process_group", "replicate_process_group"):
+                pg = getattr(info, name, None)
+                if pg is not None:
+                    groups.append(pg)
+    return groups
+
+
+def _reset_fsdp2(root, sp) -> None:
+    """FSDP2 back to idle: ``reset_iter_state`` on its root (every parameter group resharded, trackers cleared)
+    and the gradients it held unsharded dropped (torch leaves them to add into the next step)."""
+    from . import lockstep
+
+    if not hasattr(root, "reset_iter_state"):
+        lockstep.mark_broken(sp, f"a step failed under FSDP2, whose state torch {torch.__version__} cannot reset "
+                                 f"(FSDPModule.reset_iter_state is newer): resume from the last checkpoint")
+        return
+    root.reset_iter_state()
+    for each in root._get_fsdp_state()._state_ctx.all_states:
+        for group in _param_groups_of(each):
+            for fsdp_param in group.fsdp_params:
+                if hasattr(fsdp_param, "_unsharded_param"):
+                    fsdp_param._unsharded_param.grad = None
+                fsdp_param.unsharded_accumulated_grad = None
+
+
+def _param_groups_of(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:  # torch < 2.12: one group per state
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [] if group is None else [group]
+    return groups
 
 
 def _sharding(states, fsdp1) -> Sharding | None:
@@ -192,12 +440,7 @@ def _deepspeed(engine, sp) -> None:
 
 
 def _param_groups(module):
-    state = module._get_fsdp_state()
-    groups = getattr(state, "_fsdp_param_groups", None)
-    if groups is None:  # torch < 2.12: one group per state
-        group = getattr(state, "_fsdp_param_group", None)
-        groups = [] if group is None else [group]
-    return groups
+    return _param_groups_of(module._get_fsdp_state())
 
 
 def _fsdp2(model, modules, sp) -> None:

@@ -55,7 +55,8 @@ seconds) and the time it entered the agreement (so every rank knows what the agr
 RING_CALLS = ("ring_attention forward", "ring_attention backward")
 
 KINDS = ("batch", "ring_attention forward", "ring_attention backward", "gather", "resync", "exchange",
-         "exchange backward", "decode", "rewards", "loss", "backward end", "outcome")
+         "exchange backward", "decode", "rewards", "loss", "backward end", "outcome", "layer", "layer backward",
+         "recover", "layer backward start")
 """The collectives agreed: ``exchange`` is a recurrent layer's all-gather of state summaries or
 convolution halos (``ringseq.recurrent``); ``decode`` a generation step's all-gather of partial
 attention outputs, or of the prompt's last hidden state (``ringseq.attention.decode``); ``rewards``
@@ -64,7 +65,11 @@ sums or its label count (``ringseq.loss``, the router loss): after the last laye
 last ring call failed after its last transfer meets its peers in an agreement, not in a collective
 of another shape; ``backward end`` the end of every backward pass through a ring call
 (``check_at_end_of_backward``); ``outcome`` a call's shared outcome (``share_outcome``: not an
-agreement, but a record of the same size, so it meets a rank at an agreement in step-sized shape)."""
+agreement, but a record of the same size, so it meets a rank at an agreement in step-sized shape); ``layer`` and
+``layer backward start`` and ``layer backward`` a decoder layer's gates under an engine with collectives inside the
+model (``ringseq.engines``:
+FSDP units, whose all-gathers and reduce-scatters a rank that failed in the layer before would never make);
+``recover`` the engines' collective counts the ranks compare as they leave a failed step (``exchange_counts``)."""
 RESYNC_KINDS = ("batch", "resync")
 HEADER = ("kind", "number", "layer", "failed in call", "failed kind", "failed layer", "layout", "ulysses_size",
           "position", "refused")
@@ -109,6 +114,12 @@ class _State:
     own_error: BaseException | None = None
     """This rank's own failure in a step whose later collectives it still makes, raised at the end
     of the step (a patched decode step on a GPU: ``defer_own``, ``finish_step``)."""
+    told: bool = False
+    """Whether every rank of the group knows of this rank's latest failure: it was raised in a group collective
+    every rank met (an agreement, a shared outcome), so ``tell`` has nothing to add."""
+    open: object = None
+    """The ``SequenceParallel`` of a patched training step whose backward has not ended yet (``open_step``):
+    a failure in that backward is the step's (``ringseq.recovery``)."""
 
 
 _states: dict = {}
@@ -179,16 +190,37 @@ def share_outcome(sp, label: str, failed: bool, origin: bool = True) -> str | No
     rows = _exchange(sp, mine, f"the outcome of {label} on every rank").tolist()
     if any(row[_KIND] != KINDS.index("outcome") for row in rows):  # a rank is elsewhere: out of step
         message = _mismatch(torch.tensor([row[:len(HEADER)] for row in rows]), list(HEADER), "", behind=False)
-        mark_failed(sp, message)
+        mark_failed(sp, "" if failed else message)  # a rank sharing its failure keeps its own note
+        st.told = True  # the rank elsewhere met this record: it raises where it is
         raise RingSeqError(message)
     if not any(row[len(HEADER)] for row in rows):
         return None
     st.pending = [p for p in st.pending if p[0] != label]  # its deferred flags tell of this same failure
     if failed:
+        st.told = True
         return None
     mark_failed(sp)
+    st.told = True
     origins = [sp.ranks[r] for r, row in enumerate(rows) if row[len(HEADER) + 1]]
     return peer_failed(sp, label, culprit=origins[0] if origins else None)
+
+
+def tell(sp, label: str, error: BaseException) -> None:
+    """This rank leaves a patched step with ``error``: make sure every rank of the group learns it in this
+    step, before any rank goes on to collectives of its engine's (DDP's buffer broadcast, FSDP's all-gathers)
+    that this rank would then pair with the wrong ones. Unless every rank knows already (``error`` was raised in
+    a group collective they all met) or the group's transfers are broken, this rank shares its outcome (one
+    record): the peers meet it at the agreement they wait in and raise there, naming it. Never raises: the
+    caller raises ``error``."""
+    st = state(sp)
+    if sp.size == 1 or getattr(sp, "timeout", None) is None or st.broken or st.told:
+        return
+    own = not isinstance(error, RingSeqError) and not getattr(error, "relayed", False)
+    try:
+        share_outcome(sp, label, failed=True, origin=own)
+    except RingSeqError:  # peers elsewhere (told there), or gone (the wait's own error): this rank raises its own
+        pass
+    st.told = True
 
 
 def float_bits(x: float | None) -> int:
@@ -238,6 +270,7 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
     st = state(sp)
     if st.failure is None:
         st.failure = st.last
+    st.told = False  # a failure of this rank's: its peers know only once it is shared (``tell``) or agreed
     st.settling = False  # a backward pass that failed drops its end-of-backward callback with it
     if reason:
         peers.post_failure(sp, reason, cause)
@@ -343,9 +376,25 @@ def check_at_end_of_backward(sp) -> None:
                     raise
         if found is not None:
             raise RingSeqError(found)
+        st.open = None  # the step's backward ended on every rank
 
     st.settling = True
     torch.autograd.Variable._execution_engine.queue_callback(check)
+
+
+def open_step(sp) -> None:
+    """A patched training forward returned: until its backward ends (``check_at_end_of_backward``), a failure
+    in a backward pass is this step's (``ringseq.recovery``)."""
+    state(sp).open = sp
+
+
+def open_steps() -> list:
+    """The groups whose patched training step's backward has not ended."""
+    return [st.open for st in _states.values() if st.open is not None]
+
+
+def close_step(sp) -> None:
+    state(sp).open = None
 
 
 def mark_broken(sp, reason: str) -> None:
@@ -387,6 +436,36 @@ def refuse(sp, kind: str, error: RingSeqError, position: int | None = None):
     raise error
 
 
+BROKEN = "this sequence group cannot go on: {}. Its transfers are out of step for good; end the job (or build new " \
+         "groups: ringseq.init on every rank)"
+
+
+def check_broken(sp) -> None:
+    """Raise at once when an earlier failure left the group unable to go on (``mark_broken``)."""
+    st = state(sp)
+    if st.broken:
+        raise RingSeqError(BROKEN.format(st.broken))
+
+
+def exchange_counts(sp, counts: list[int], what: str) -> list[list[int]]:
+    """Every rank's ``counts`` (a few integers: its engines' collective counts), [group size][len(counts)], in one
+    record of the agreements' size over the control group, bounded by the timeout: every rank leaving a failed
+    step makes it at the same point (``ringseq.engines.recover``). Raises ``RingSeqError`` when a rank is elsewhere."""
+    st = state(sp)
+    if sp.size == 1:
+        return [list(counts)]
+    if len(counts) > RECORD - PAYLOAD - len(HEADER):
+        raise AssertionError("too many counts for one record")
+    values = [KINDS.index("recover"), st.number, -1, -1, -1, -1, LAYOUTS.index(sp.layout), sp.ulysses_size, -1, 0,
+              *counts]
+    mine = torch.tensor(values + [0] * (RECORD - PAYLOAD - len(values) + HISTORY) + _snapshot(sp), dtype=torch.int64)
+    rows = _exchange(sp, mine, what).tolist()
+    if any(row[_KIND] != KINDS.index("recover") for row in rows):
+        raise RingSeqError(f"{what}: the ranks are out of step: "
+                           + ", ".join(f"group rank {r} at {_where(row)}" for r, row in enumerate(rows)))
+    return [row[len(HEADER):len(HEADER) + len(counts)] for row in rows]
+
+
 def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int | None = None,
           refusal: str | None = None) -> int:
     """All-gather this rank's record of the collective it is about to make; raise
@@ -395,8 +474,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
     ``refusal``: this rank refuses the call (``refuse``): every rank raises, quoting it."""
     st = state(sp)
     if st.broken:
-        raise RingSeqError(f"this sequence group cannot go on: {st.broken}. Its transfers are out of step for good; "
-                           f"end the job (or build new groups: ringseq.init on every rank)")
+        raise RingSeqError(BROKEN.format(st.broken))
     late = settle(sp, wait=False) if st.pending else None  # a peer's failure in an earlier call, read only now
     number = st.number
     st.number += 1
@@ -421,6 +499,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         table = rows.tolist()  # compared on the host: no tensor operation when the ranks are in step
         if any(row[_REFUSED] for row in table):  # a rank refused this call: every rank raises in it, in step
             st.peers = _ledgers(table, kind, False)
+            st.told = True  # every rank raises in this call
             if late is not None:
                 raise RingSeqError(late)
             st.agreed_at = max(from_bits(row[-1]) for row in table)
@@ -437,6 +516,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         if kind == "batch":
             st.recent = (st.recent + [digest])[-HISTORY:]
         if late is not None:  # every rank has met: this one raises for its earlier call (its record said so)
+            st.told = True
             raise RingSeqError(late)
         if verdict == "in step":
             # notes posted after the last rank entered this agreement are of a new incident (a rank that
@@ -454,8 +534,10 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
             if dist.get_rank() in began:  # it began with this rank (too): its first note stands as a root (no nesting)
                 mark_failed(sp)
+                st.told = True
                 raise RingSeqError(message)
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it
+        st.told = True  # every rank saw the same records: each raises in this agreement
         raise RingSeqError(message)
 
 
@@ -517,10 +599,16 @@ def _resync(st: _State, rows: torch.Tensor, n: int, me: int) -> str | None:
         return "wait" if any(x is None or x < top for x in steps) else None
     digests = [_digest(rows[r, len(HEADER):n].tolist()) if k == kinds[me] else None for r, k in enumerate(kinds)]
     history = [set(x for x in rows[r, -PAYLOAD:-LEDGER].tolist() if x) for r in range(rows.size(0))]
-    if digests[me] not in history[me] and any(digests[me] in history[r] for r in range(rows.size(0)) if r != me):
-        return "behind"  # a peer had this batch already (and this rank had not: not just the same data again)
-    if any(d is None or d in history[me] for d in digests):
-        return "wait"  # a peer is mid-step, or at a batch this rank had already
+
+    def catching_up(r: int) -> bool:  # rank r brings a batch another rank had already, and it had not
+        return digests[r] not in history[r] and any(digests[r] in history[o] for o in range(len(digests)) if o != r)
+
+    if catching_up(me):
+        return "behind"
+    # a peer mid-step, or catching up (at a batch this rank had already, which it had not): it comes again. A peer
+    # that brings a batch it had itself before repeats it while this rank does not: they disagree, both raise now
+    if any(d is None or (r != me and catching_up(r) and d in history[me]) for r, d in enumerate(digests)):
+        return "wait"
     return None
 
 
