@@ -659,6 +659,23 @@ def batch_beside_resync():
     ringseq.shard_batch({"input_ids": ids}, sp=sp)
 
 
+def disagreeing_batches_raise_at_once(timeout: float = 30.0):
+    """Two sequence groups, each first handed a batch of its own length; then the two ranks of each group different
+    batches, group rank 0's the one it had before (issue 58: that group waited out the whole timeout, each rank
+    taking the other for one catching up). Ranks that disagree raise in that call, far within the timeout, and
+    the next batch on which they agree goes on."""
+    sp = shared_init(sp_size=2, timeout=timeout)
+    length = 4 if sp.dp_rank == 0 else 6
+    first = {"input_ids": torch.arange(length)[None]}
+    ringseq.shard_batch(first, sp=sp)
+    other = first if sp.rank == 0 else {"input_ids": torch.arange(length)[None] + 1}
+    start = time.monotonic()
+    _raises(lambda: ringseq.shard_batch(other, sp=sp), "differ")
+    took = time.monotonic() - start
+    assert took < 5, f"rank {dist.get_rank()}: raised after {took:.1f} s (timeout {timeout:g} s)"
+    ringseq.shard_batch({"input_ids": torch.arange(length)[None] + 2}, sp=sp)
+
+
 def attention_work_is_reported(ulysses=1):
     """``stats`` reports each rank's visible query-key pairs of the batches sharded in the period,
     counted independently here from the dense reference mask of the same packed, padded batch."""

@@ -214,3 +214,7 @@ def test_soak_cases_run_and_report_their_worst_error(pool2):
 
 def test_a_batch_beside_a_resync_raises_on_both_and_never_waits(pool2):
     pool2.run(cases.batch_beside_resync)
+
+
+def test_ranks_that_disagree_on_a_batch_raise_at_once_whatever_their_history(pool4):
+    pool4.run(cases.disagreeing_batches_raise_at_once)
