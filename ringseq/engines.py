@@ -33,6 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from . import lockstep
 from .errors import RingSeqError
 from .gradients import covers, factor
 
@@ -151,8 +152,6 @@ def _gate_units(model, sp, fsdp1, zero3: bool) -> None:
 
 @torch.compiler.disable
 def _gate(sp, module, args) -> None:
-    from . import lockstep
-
     if lockstep.in_batch():  # a patched forward's decoder (not a generation step's)
         lockstep.agree(sp, "layer", {})
 
@@ -161,8 +160,6 @@ def _gate(sp, module, args) -> None:
 def _gate_backward(sp, module, args, kwargs):
     """The unit's input through ``_Gate``: its backward runs after the unit's (FSDP2's post-backward hooks sit
     on the inputs before this hook ran)."""
-    from . import lockstep
-
     if not (lockstep.in_batch() and torch.is_grad_enabled()):
         return None
     if args and torch.is_tensor(args[0]) and args[0].requires_grad:
@@ -177,8 +174,6 @@ def _gate_backward_start(sp, module, args, output):
     """A hook on the unit's output, registered before the engine's (this forward hook runs before FSDP2's
     post-forward, which registers its pre-backward hooks on the same tensors): the group agrees before the
     unit's backward and its all-gather."""
-    from . import lockstep
-
     if not (lockstep.in_batch() and torch.is_grad_enabled()):
         return None
     first = output if torch.is_tensor(output) else next((t for t in (output if isinstance(output, tuple) else ())
@@ -189,8 +184,6 @@ def _gate_backward_start(sp, module, args, output):
 
 
 def _agree_backward_start(sp, grad) -> None:
-    from . import lockstep
-
     lockstep.agree(sp, "layer backward start", {})
 
 
@@ -202,16 +195,12 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        from . import lockstep
-
         lockstep.agree(ctx.sp, "layer backward", {})
         return grad, None
 
 
 @torch.compiler.disable
 def _refuse_broken(sp, module, args) -> None:
-    from . import lockstep
-
     lockstep.check_broken(sp)
 
 
@@ -238,8 +227,6 @@ def recover(sp, model=None, backward: bool = False) -> None:
 
     After a failed backward every parameter's gradient is dropped on every rank (the step's partial gradients,
     some already reduced, would add into the next step's). Raises ``RingSeqError`` when the peers do not come."""
-    from . import lockstep
-
     found = _found.get(sp.ranks)
     if found is None:
         return
@@ -311,8 +298,6 @@ def _fsdp2_groups(root) -> list:
 def _reset_fsdp2(root, sp) -> None:
     """FSDP2 back to idle: ``reset_iter_state`` on its root (every parameter group resharded, trackers cleared)
     and the gradients it held unsharded dropped (torch leaves them to add into the next step)."""
-    from . import lockstep
-
     if not hasattr(root, "reset_iter_state"):
         lockstep.mark_broken(sp, f"a step failed under FSDP2, whose state torch {torch.__version__} cannot reset "
                                  f"(FSDPModule.reset_iter_state is newer): resume from the last checkpoint")

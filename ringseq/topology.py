@@ -72,10 +72,10 @@ class SequenceParallel:
     """The model-parallel unit to give DeepSpeed, if any (``ringseq.mpu``): every rank data-parallel,
     as ringseq's gradient rule wants DeepSpeed to average over all of them."""
     check_group: dist.ProcessGroup | None = None
-    """A CPU (gloo) group over the ranks of ``group``, ringseq's control traffic alone: the lockstep records,
-    shared outcomes, a generation step's and GRPO's small broadcasts (``ringseq.lockstep``). Always a group of its
-    own (never the world group an engine's collectives run on, even when the sequence group is the world): after a
-    failure no engine collective can pair with a record, nor a record with a collective of the engine's."""
+    """A CPU (gloo) group over the ranks of ``group`` for ringseq's control traffic: the lockstep records, shared
+    outcomes, a generation step's and GRPO's small broadcasts (``ringseq.lockstep``): ``group`` itself on gloo, a
+    gloo group of its own beside NCCL. Never the world group an engine's collectives run on, even when the sequence
+    group is the world (``_group``): after a failure no engine collective can pair with one of ringseq's."""
     sequence_groups: tuple[tuple[int, ...], ...] = ()
     """Every sequence group's global ranks (``ringseq.engines`` checks that an engine averages over
     whole groups)."""
@@ -89,7 +89,7 @@ class SequenceParallel:
     def nccl(self) -> bool:
         """Whether the sequence group's collectives and transfers run on the accelerator's backend (NCCL; else
         gloo, whose waits take a timeout)."""
-        return self.group is not None and dist.get_backend(self.group) != "gloo"
+        return self.check_group is not self.group
 
     @property
     def mesh(self):
@@ -245,8 +245,11 @@ def init(sp_size: int | None = None, ulysses_size: int = 1, layout: str = "zigza
         ulysses_group, uly_ranks = _build_groups(axis_lists(ranks, "ulysses"), me, made, **bound)
     else:
         ulysses_group, uly_ranks = None, (me,)
-    # the control traffic's own gloo group (records are CPU integers), apart from every group an engine uses
-    check_group, _ = _build_groups(sequence_lists(ranks), me, made, backend="gloo", **bound)
+    # the control traffic's gloo group (records are CPU integers), apart from every group an engine uses: on gloo
+    # the sequence group itself (never the world group, ``_group``), else one of its own
+    check_group = group
+    if dist.get_backend() != "gloo":
+        check_group, _ = _build_groups(sequence_lists(ranks), me, made, backend="gloo", **bound)
     fields = dict(
         group=group, rank=seq_ranks.index(me), size=sp_size, ranks=seq_ranks,
         dp_group=dp_group, dp_rank=dp_ranks.index(me), dp_size=ranks.size(0), layout=layout,
