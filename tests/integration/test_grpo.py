@@ -7,7 +7,8 @@ import pytest
 
 from .test_clients import ENV, HERE, each_ok
 
-SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "bf16", "vlm"]
+# bf16 under DDP and FSDP2, compile and checkpointing: the GPU user's matrix (test_matrix.py, its GRPO rows)
+SCENARIOS = ["grpo", "bnpo_ref", "dr_grpo", "dapo_iterations", "peft", "vlm"]
 ACCELERATE = ("accelerate", "--multi_gpu")
 
 

@@ -41,10 +41,10 @@ def test_trainer_ddp_steps_equal_single_process(pools, nproc, cases, extra):
 
 # FSDP2 through TrainingArguments(fsdp=..., fsdp_config={"version": 2}) and Accelerate's context parallelism
 # (parallelism_config cp_size: ringseq's ring over its cp dimension, sp made from it): Accelerate's own FSDP2
-# code on gloo (ringseq.launch.accelerate_fsdp; docs/testing.md), with FSDP's activation checkpointing,
-# cpu_ram_efficient_loading (from_pretrained), sharded state dicts and resuming; FSDP1 (Accelerate needs a GPU
-# for it) and a cp_size that is not ringseq's group are refused
-@pytest.mark.parametrize("nproc,cases", [(2, ["fsdp,resume", "fsdp,ac", "fsdp,ramload,pretrained", "fsdp,sharded,resume",
+# code on gloo (ringseq.launch.accelerate_fsdp; docs/testing.md), with cpu_ram_efficient_loading (from_pretrained),
+# sharded state dicts and resuming; FSDP1 (Accelerate needs a GPU for it) and a cp_size that is not ringseq's group
+# are refused. FSDP's activation checkpointing ("fsdp,ac"), bf16 and compile: the GPU user's matrix (test_matrix.py)
+@pytest.mark.parametrize("nproc,cases", [(2, ["fsdp,resume", "fsdp,ramload,pretrained", "fsdp,sharded,resume",
                                               "refuse=fsdp1", "refuse=cp_mismatch"]),
                                          (4, ["fsdp,cp,resume"])])
 def test_trainer_fsdp2_steps_equal_single_process(pools, nproc, cases):
