@@ -103,9 +103,16 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
     Under ``torch.compile`` (of the model, ``model.compile()``) this frame and its bookkeeping
     (batch, agreements, loss) run eagerly and the decoder runs compiled, each attention layer's
     ring one op (``ringseq.attention.compiled``)."""
-    step = _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
-                    num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache,
-                    kwargs)
+    try:
+        step = _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, labels, shift_labels, ringseq,
+                        num_items_in_batch, use_cache, past_key_values, fused_lm_head, logits_fn, logits_to_keep, cache,
+                        kwargs)
+    except BaseException as exc:  # a refusal before the batch: its group (the job, over replicas) is told and every
+        # rank puts its engine back, as the ranks that met the refusal in the batch's agreement do
+        if not getattr(exc, "_ringseq_step_failed", False) and not (
+                use_cache or past_key_values is not None or cache is not None):  # not a generation call's
+            _failed(self, exc, "the patched forward's checks")
+        raise
     if isinstance(step, generation.DecoderCall):  # a decode step: the decoder over the group's cache (compiled too)
         try:
             hidden = step.run(self)
@@ -127,10 +134,10 @@ def forward(self, input_ids=None, attention_mask=None, position_ids=None, inputs
                                               position_ids=step.local["position_ids"], use_cache=False,
                                               ringseq=step.batch, **step.kwargs)
         out = _outputs(self, step, num_items_in_batch, fused_lm_head, logits_fn)
+        _opened(self, out)
     except BaseException as exc:
         _failed(self, exc)
         raise
-    _opened(self, out)
     return out
 
 
@@ -141,6 +148,10 @@ def _failed(model, exc: BaseException, what: str = "the patched forward") -> Non
     wait in, before any engine collective this rank would not make) and the engine around the model back to
     idle with every other rank (``ringseq.recovery``)."""
     recovery.step_failed(model._ringseq_patch.sp, exc, what, model)
+    try:
+        exc._ringseq_step_failed = True  # once per step, however many frames it leaves
+    except AttributeError:  # an exception type without attributes
+        pass
 
 
 @torch.compiler.disable
@@ -152,9 +163,10 @@ def _opened(model, out) -> None:
     backward failed after the last ring call (in the embedding's backward) is met there, before the root's
     reduce-scatters it would never make."""
     tensors = [t for t in (out.values() if hasattr(out, "values") else ()) if torch.is_tensor(t) and t.requires_grad]
-    if not tensors:
-        return
     sp = model._ringseq_patch.sp
+    if not tensors:  # no backward to come: under an engine over replicas the job meets at the forward's end
+        engines.forward_end(sp)
+        return
     lockstep.open_step(sp)
     engines.opened(sp)
 
@@ -176,14 +188,16 @@ def _prepare(self, input_ids, attention_mask, position_ids, inputs_embeds, label
         past_key_values = cache
     cached = past_key_values is not None or bool(use_cache)
     try:  # this rank's own misuse: refused in the batch's agreement, so every rank raises in this step, in step
+        if not cached:  # first: a step refused on one rank finds the same engines on every rank (``recover``)
+            if torch.is_grad_enabled():  # the engine around the model must average as the gradient rule needs
+                handle.sharding = engines.check(self, handle.sp) or handle.sharding
+            else:  # the job's news of an earlier step is spent
+                lockstep.widen(handle.sp, lockstep.wider(handle.sp))
+            _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
         if kwargs.get("output_attentions"):
             raise RingSeqError("output_attentions is not available: ringseq never materialises attention weights")
         if cached and (fused_lm_head or logits_fn is not None):
             raise RingSeqError("fused_lm_head / logits_fn with a KV cache: generation computes plain logits")
-        if not cached:
-            _drop_packing_metadata(kwargs, position_ids, handle.recurrent)
-            if torch.is_grad_enabled():  # the engine around the model must average as the gradient rule needs
-                handle.sharding = engines.check(self, handle.sp) or handle.sharding
     except RingSeqError as err:
         lockstep.refuse(handle.sp, "batch", err)
     if cached:

@@ -33,7 +33,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from . import lockstep
+from . import lockstep, replicas
 from .errors import RingSeqError
 from .gradients import covers, factor
 
@@ -87,6 +87,8 @@ def check(model, sp) -> Sharding | None:
         if states:
             _fsdp2(model, states, sp)
     _record(sp, model, ddps, fsdp1, states, engines)
+    # an engine over several sequence groups: the step's gates and news reach every rank of the job
+    lockstep.widen(sp, replicas.of(sp) if ddps or fsdp1 or states or _found[sp.ranks]["deepspeed"] else None)
     if sp.size > 1:
         _gate_units(model, sp, fsdp1, _found[sp.ranks]["zero3"])
     return _sharding(states, fsdp1)
@@ -101,8 +103,11 @@ references) and, once the forward returned (``opened``), the engines' collective
 def _record(sp, model, ddps, fsdp1, states, engines) -> None:
     roots = [m for m in states if getattr(m._get_fsdp_state(), "_is_root", False)]
     zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+    # DDP's counts as the patched forward begins (after its buffer broadcast): a failed step's bucket all-reduces
+    # are counted from them (``recover``; ``opened`` counts them again once the forward returned)
+    base = [_ddp_group(d)._get_sequence_number_for_group() for d in ddps] or None
     _found[sp.ranks] = {"ddp": [weakref.ref(d) for d in ddps], "fsdp2": [weakref.ref(r) for r in roots],
-                        "fsdp1": bool(fsdp1), "deepspeed": bool(engines) or zero3, "zero3": zero3, "base": None,
+                        "fsdp1": bool(fsdp1), "deepspeed": bool(engines) or zero3, "zero3": zero3, "base": base,
                         "model": weakref.ref(model)}
 
 
@@ -153,7 +158,7 @@ def _gate_units(model, sp, fsdp1, zero3: bool) -> None:
 @torch.compiler.disable
 def _gate(sp, module, args) -> None:
     if lockstep.in_batch():  # a patched forward's decoder (not a generation step's)
-        lockstep.agree(sp, "layer", {})
+        lockstep.gate(sp, "layer")
 
 
 @torch.compiler.disable
@@ -184,7 +189,7 @@ def _gate_backward_start(sp, module, args, output):
 
 
 def _agree_backward_start(sp, grad) -> None:
-    lockstep.agree(sp, "layer backward start", {})
+    lockstep.gate(sp, "layer backward start")
 
 
 class _Gate(torch.autograd.Function):
@@ -195,13 +200,23 @@ class _Gate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        lockstep.agree(ctx.sp, "layer backward", {})
+        lockstep.gate(ctx.sp, "layer backward")
         return grad, None
+
+
+@torch.compiler.disable
+def forward_end(sp) -> None:
+    """A forward with no backward to come (an evaluation, a scoring pass) under an engine over replicas ends with
+    the job's gate: a failure in one group meets every rank there (a training forward's is the backward's start)."""
+    if lockstep.wider(sp) is not None:
+        lockstep.gate(sp, "layer")
 
 
 @torch.compiler.disable
 def _refuse_broken(sp, module, args) -> None:
     lockstep.check_broken(sp)
+    for scope in sp._replicas:  # the job's scope, where made
+        lockstep.check_broken(scope)
 
 
 def ungate(model) -> None:
@@ -212,7 +227,7 @@ def ungate(model) -> None:
                 handle.remove()
 
 
-def recover(sp, model=None, backward: bool = False) -> None:
+def recover(sp, model=None, backward: bool = False, scope=None) -> None:
     """Every rank of a group calls it as it leaves a step that failed on any rank (``ringseq.recovery``): the
     engines around its patched model back to idle, so that the next step's collectives are the same on every
     rank. The ranks first compare their engines' collective counts (one record over the control group):
@@ -226,7 +241,9 @@ def recover(sp, model=None, backward: bool = False) -> None:
       ``RingSeqError`` saying to resume from a checkpoint, before any collective.
 
     After a failed backward every parameter's gradient is dropped on every rank (the step's partial gradients,
-    some already reduced, would add into the next step's). Raises ``RingSeqError`` when the peers do not come."""
+    some already reduced, would add into the next step's). ``scope``: the job's ranks over the replicas
+    (``ringseq.replicas``) that compare the counts, when a step failed under an engine over them. Raises
+    ``RingSeqError`` when the peers do not come."""
     found = _found.get(sp.ranks)
     if found is None:
         return
@@ -241,8 +258,8 @@ def recover(sp, model=None, backward: bool = False) -> None:
     fsdp_groups = list({id(g): g for r in roots for g in _fsdp2_groups(r)}.values())
     counts = [g._get_sequence_number_for_group() for g in ddp_groups + fsdp_groups]
     table = [counts]
-    if counts:  # every rank leaving the failed step compares them here
-        table = lockstep.exchange_counts(sp, counts, "the engines' collective counts after a failed step")
+    if counts or scope is not None:  # every rank leaving the failed step compares them here (the job's, over replicas)
+        table = lockstep.exchange_counts(scope or sp, counts, "the engines' collective counts after a failed step")
     for i, ddp in enumerate(ddps):
         _match_ddp(ddp, ddp_groups[i], [row[i] for row in table], (found["base"] or [None] * len(ddps))[i],
                    backward)

@@ -123,6 +123,9 @@ class _State:
 
 
 _states: dict = {}
+_wider: dict = {}
+"""Per sequence group (its ranks): the job's scope over its replicas (``ringseq.replicas``) while an engine spans
+them, set at every training forward and kept by the others (``widen``)."""
 
 
 def state(sp) -> _State:
@@ -132,6 +135,31 @@ def state(sp) -> _State:
 def forget() -> None:
     """Forget every group's state (a test harness starting its ranks afresh)."""
     _states.clear()
+    _wider.clear()
+
+
+def widen(sp, scope) -> None:
+    """A patched forward of ``sp`` begins under an engine over the replicas ``scope`` (None: over its group only):
+    the step's gates, the end of its forward or the start and end of its backward are met by every rank of
+    ``scope`` too, and a failure of the step told to it (``ringseq.recovery``). The scope's news of an earlier step is spent (every rank of it left that step
+    through ``exchange_counts``)."""
+    _wider[sp.ranks] = scope
+    if scope is not None:
+        st = state(scope)
+        st.told, st.failure = False, None
+
+
+def wider(sp):
+    """The job's scope over ``sp``'s replicas while an engine spans them, else None."""
+    return _wider.get(sp.ranks)
+
+
+def gate(sp, kind: str) -> None:
+    """The group agrees, then (under an engine over replicas) every rank of the job: a step's gate."""
+    agree(sp, kind, {})
+    scope = _wider.get(sp.ranks)
+    if scope is not None:
+        agree(scope, kind, {})
 
 
 @contextlib.contextmanager
@@ -268,9 +296,8 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
     since the rank was last in step) and leave a note for peers that may be waiting (``cause``:
     as ``peers.post_failure``'s)."""
     st = state(sp)
-    if st.failure is None:
-        st.failure = st.last
-    st.told = False  # a failure of this rank's: its peers know only once it is shared (``tell``) or agreed
+    if st.failure is None:  # a new failure of this rank's: its peers know only once it is shared (``tell``) or agreed
+        st.failure, st.told = st.last, False  # (one already shared, noted again on its way out, stays told)
     st.settling = False  # a backward pass that failed drops its end-of-backward callback with it
     if reason:
         peers.post_failure(sp, reason, cause)
@@ -364,13 +391,15 @@ def check_at_end_of_backward(sp) -> None:
     st = state(sp)
     if st.settling:
         return
+    if _wider.get(sp.ranks) is not None:  # under an engine over replicas the job meets first, before the engine's
+        gate(sp, "layer backward start")  # first collective of the backward (FSDP2's root prefetches an all-gather)
 
     def check():
         st.settling = False
         found = settle(sp)
         if sp.size > 1 and getattr(sp, "timeout", None) is not None:  # not the virtual ring's stand-in ranks
             try:
-                agree(sp, "backward end", {})
+                gate(sp, "backward end")
             except RingSeqError:
                 if found is None:
                     raise
@@ -394,7 +423,9 @@ def open_steps() -> list:
 
 
 def close_step(sp) -> None:
-    state(sp).open = None
+    """The step ended in a failure: a backward pass that raised drops its end-of-backward callback with it."""
+    st = state(sp)
+    st.open, st.settling = None, False
 
 
 def mark_broken(sp, reason: str) -> None:
@@ -450,7 +481,8 @@ def check_broken(sp) -> None:
 def exchange_counts(sp, counts: list[int], what: str) -> list[list[int]]:
     """Every rank's ``counts`` (a few integers: its engines' collective counts), [group size][len(counts)], in one
     record of the agreements' size over the control group, bounded by the timeout: every rank leaving a failed
-    step makes it at the same point (``ringseq.engines.recover``). Raises ``RingSeqError`` when a rank is elsewhere."""
+    step makes it at the same point (``ringseq.engines.recover``). Raises ``RingSeqError`` when a rank is elsewhere.
+    Over the job's scope (``ringseq.replicas``) the ranks leave in step: their next agreement's number is one."""
     st = state(sp)
     if sp.size == 1:
         return [list(counts)]
@@ -463,6 +495,8 @@ def exchange_counts(sp, counts: list[int], what: str) -> list[list[int]]:
     if any(row[_KIND] != KINDS.index("recover") for row in rows):
         raise RingSeqError(f"{what}: the ranks are out of step: "
                            + ", ".join(f"group rank {r} at {_where(row)}" for r, row in enumerate(rows)))
+    if getattr(sp, "replicas", False):  # some met the news at an agreement (numbered), some told it (not)
+        st.number, st.failure = max(row[_NUMBER] for row in rows), None
     return [row[len(HEADER):len(HEADER) + len(counts)] for row in rows]
 
 
@@ -504,6 +538,8 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
                 raise RingSeqError(late)
             st.agreed_at = max(from_bits(row[-1]) for row in table)
             _raise_refusals(sp, table, reason, f"{kind} #{number}{at_layer()}")
+        if getattr(sp, "replicas", False):
+            _replica_failed(sp, st, table, kind, number)
         compared = rows[:, :n]
         verdict = "in step" if all(row[:n] == table[0][:n] for row in table) else None
         st.peers = _ledgers(table, kind, verdict == "in step")
@@ -539,6 +575,20 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         mark_failed(sp, message, cause)  # a note: a peer whose next transfer with this rank fails quotes it
         st.told = True  # every rank saw the same records: each raises in this agreement
         raise RingSeqError(message)
+
+
+def _replica_failed(sp, st: _State, table: list, kind: str, number: int) -> None:
+    """At an agreement of the job's scope (``ringseq.replicas``): raise when a rank of another sequence group told
+    the job its step failed (its record is a shared outcome)."""
+    told = [r for r, row in enumerate(table) if row[_KIND] == KINDS.index("outcome") and row[len(HEADER)]]
+    if not told:
+        return
+    origins = [sp.ranks[r] for r in told if table[r][len(HEADER) + 1]] or [sp.ranks[r] for r in told]
+    st.told = True  # every rank of the job raises here or told it
+    who = ", ".join(f"global rank {r}" for r in origins)
+    raise RingSeqError(f"a step failed on {who} (another rank's error, raised there): every rank of the job raises "
+                       f"in this step, at {kind} #{number}{at_layer()}, before the engine's collectives that "
+                       f"{'that rank' if len(origins) == 1 else 'those ranks'} will not make; the next step goes on")
 
 
 def _raise_refusals(sp, table: list, mine: bytes, what: str):

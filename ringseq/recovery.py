@@ -39,11 +39,17 @@ def step_failed(sp, error: BaseException, label: str, model=None) -> None:
     with every other rank. Never raises (the caller raises ``error``)."""
     if not isinstance(error, RingSeqError) and not getattr(error, "relayed", False):
         lockstep.mark_failed(sp, f"{label}: {type(error).__name__}: {error}")
-    lockstep.tell(sp, label, error)
     backward = lockstep.state(sp).open is not None
+    # under an engine over several sequence groups every rank of the job is told too: the others meet the job at
+    # the step's next gate, at the forward's end (no backward to come) or at the backward's start or end
+    scope = lockstep.wider(sp)
+    if scope is None or not lockstep.state(scope).told:  # raised at the job's gate: its whole group met it there
+        lockstep.tell(sp, label, error)
+    if scope is not None:
+        lockstep.tell(scope, label, error)
     lockstep.close_step(sp)
     try:
-        engines.recover(sp, model, backward=backward)
+        engines.recover(sp, model, backward=backward, scope=scope)
     except RingSeqError as err:  # the peers never came to the recovery: the group cannot go on
         lockstep.mark_broken(sp, str(err))
 

@@ -84,6 +84,8 @@ class SequenceParallel:
     the rest, ``dp_size / dp_replicate``, is its ``dp_shard`` dimension."""
     _meshes: dict = dataclasses.field(default_factory=dict, repr=False)
     """The mesh given to ``init`` or made on first use ("root") and its flattened ones (``meshes``)."""
+    _replicas: list = dataclasses.field(default_factory=list, repr=False)
+    """The job's scope over the replicas, made on first use (``ringseq.replicas.of``)."""
 
     @property
     def nccl(self) -> bool:

@@ -63,18 +63,20 @@ def _grads(model) -> dict:
     return out
 
 
-def fails_then_goes_on(engine: str, where: str, target: str, victim: int = 1) -> str:
-    """Three steps: exact, then ``victim`` fails inside ``target``'s forward or backward (``where``), then exact
+def fails_then_goes_on(engine: str, where: str, target: str, victim: int = 1, sp_size: int | None = None) -> str:
+    """Three steps: exact, then ``victim`` fails inside ``target``'s forward or backward, or an evaluation's
+    forward (``where``: "forward", "backward", "eval"), then exact
     again with no resync: the gradients of step 3 against the unpatched model's (averaged over the world as the
-    engine averages; the raw loop averages by hand)."""
-    sp = shared_init(sp_size=dist.get_world_size(), timeout=TIMEOUT)
+    engine averages; the raw loop averages by hand). ``sp_size`` below the world: the engine spans several
+    sequence groups (replicas, each with a batch of its own), and every rank of every group raises in step 1."""
+    sp = shared_init(sp_size=sp_size or dist.get_world_size(), timeout=TIMEOUT)
     base = tiny_llama()
     model = ringseq.patch(copy.deepcopy(base), sp=sp)
     armed = [False]
     me = dist.get_rank()
 
     def forward_fault(module, args):
-        if armed[0] and where == "forward" and me == victim:
+        if armed[0] and where in ("forward", "eval") and me == victim:
             raise Injected(f"injected in {target}'s forward")
 
     def backward_fault(module, grad_in, grad_out):
@@ -89,11 +91,15 @@ def fails_then_goes_on(engine: str, where: str, target: str, victim: int = 1) ->
     what = f"{engine}, rank {victim} failing in {target}'s {where}, rank {me}"
     for step in range(3):
         armed[0] = step == 1
-        batch = batch_for(step, S)
+        batch = batch_for(10 * step + sp.dp_rank, S)
         start = time.monotonic()
         try:
-            loss = wrapper(**batch).loss
-            ds.backward(loss) if ds is not None else loss.backward()
+            if where == "eval" and armed[0]:  # a forward with no backward (an evaluation)
+                with torch.no_grad():
+                    wrapper(**batch)
+            else:
+                loss = wrapper(**batch).loss
+                ds.backward(loss) if ds is not None else loss.backward()
             raised = None
         except (Injected, ringseq.RingSeqError) as exc:
             raised = exc
@@ -108,7 +114,7 @@ def fails_then_goes_on(engine: str, where: str, target: str, victim: int = 1) ->
             assert took < FAST, f"{what}: raised after {took:.1f} s"
             if engine in ("fsdp1", "zero3"):  # no reset: the next step says so on every rank, before any collective
                 try:
-                    wrapper(**batch_for(2, S))
+                    wrapper(**batch_for(20 + sp.dp_rank, S))
                 except ringseq.RingSeqError as exc:
                     assert "cannot go on" in str(exc) and "checkpoint" in str(exc), f"{what}: {exc}"
                     return what
@@ -121,10 +127,10 @@ def fails_then_goes_on(engine: str, where: str, target: str, victim: int = 1) ->
                 for g in got.values():
                     dist.all_reduce(g)
                     g /= dist.get_world_size()
-            plain = copy.deepcopy(base)
-            lm_loss(plain, batch).backward()
-            exact = copy.deepcopy(base).double()
-            lm_loss(exact, batch).backward()
+            plain, exact = copy.deepcopy(base), copy.deepcopy(base).double()
+            for replica in range(sp.dp_size):  # the engine's average over the replicas' batches
+                for reference in (plain, exact):
+                    (lm_loss(reference, batch_for(20 + replica, S)) / sp.dp_size).backward()
             assert_named_close(got, {n: p.grad for n, p in plain.named_parameters()},
                                {n: p.grad for n, p in exact.named_parameters()}, f"{what}: step 2's gradients")
         if ds is None:
