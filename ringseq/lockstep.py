@@ -566,6 +566,12 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
             since = st.agreed_at or st.born
             began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
+            told = [sp.ranks[r] for r, row in enumerate(table)  # a rank that told its own failure (``tell``)
+                    if row[_KIND] == KINDS.index("outcome") and row[len(HEADER)] and row[len(HEADER) + 1]]
+            if not began and told:  # its note unread (the store's host gone): its record names it
+                began, words = told, "; ".join(f"global rank {r} raised (its note, with its error, could not be "
+                                               f"read)" for r in told)
+                peers.remember(sp, began, words)
             cause = began[0] if began else peers.AFTERMATH
             message = message.replace(": ", f" after a failure that began here: {words}: ", 1) if words else message
             if dist.get_rank() in began:  # it began with this rank (too): its first note stands as a root (no nesting)

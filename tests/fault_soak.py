@@ -33,6 +33,15 @@ one rank (rank 0, which serves the rendezvous store, included):
                      job that ends on an error may: every other rank names the victim, in that call
                      and in its next (which finds rank 0 gone), and blames no other rank.
 
+A third of the trees wrap the model in an engine, DDP or FSDP2 (per layer and root), with compiled layers in a
+third of those: every case of such a tree is a training step of one patched model wrapped once for the tree (the
+loop goes on with the same engine after a fault), at world 4 over one sequence group or, in trees without a breaking
+fault, two (the engine over replicas: both groups must raise). Trees with compiled layers draw recoverable faults
+only and run with a 30 s timeout (the first steps compile, a few seconds apart on four ranks sharing two cores).
+Engine trees draw no ``sleep past`` (the engine's own collective before the patched forward, DDP's buffer broadcast
+or FSDP2's root all-gather, waits for the sleeper unbounded by ringseq: torch's timeout), and after ``host exits``
+the next step may meet the dead host first in that same collective: torch's transport error is accepted there.
+
 In a tree whose processes end hard, rank 0 may end (taking the store) before a survivor far from a
 breaking fault's victim has read a note: that survivor must then say that no note could be read,
 and blame no rank. Nothing may be silently wrong, hang, or raise anything but ``RingSeqError`` on a healthy rank.
@@ -60,40 +69,58 @@ RECOVERABLE = ("none", "sleep under", "raise forward", "raise backward", "raise 
 BREAKING = ("sleep past", "exit", "kill", "stop", "host exits")
 
 
-def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, worlds=(2, 4)) -> dict:
-    """One tree: its world and cases (the same on every rank: drawn in the parent), its faults
+ENGINES = ("ddp", "fsdp2")
+COMPILED_TIMEOUT = 30.0
+
+
+def draw_tree(rng: random.Random, index: int, faults=RECOVERABLE + BREAKING, worlds=(2, 4),
+              engines=("none", "none") + ENGINES) -> dict:
+    """One tree: its world, engine and cases (the same on every rank: drawn in the parent), its faults
     drawn from ``faults`` (a tree of breaking faults only still runs exact cases before its last)."""
     from ringseq import LAYOUTS
 
     world = rng.choice(list(worlds))
+    engine = rng.choice(list(engines))
+    compiled = engine != "none" and rng.random() < 1 / 3
     recoverable = [f for f in RECOVERABLE if f in faults] or ["none"]
-    breaking = [f for f in BREAKING if f in faults and (world > 2 or f != "host exits")]  # it needs a bystander
+    breaking = [f for f in BREAKING if f in faults and (world > 2 or f != "host exits")  # it needs a bystander
+                and not compiled and (engine == "none" or f != "sleep past")]
     cases = []
     for i in range(rng.randint(2, 4)):
-        cases.append(_case(rng, world, rng.choice(recoverable), i))
+        cases.append(_case(rng, world, rng.choice(recoverable), i, engine))
     if breaking and (rng.random() < 0.6 or len(recoverable) < 2):
-        cases.append(_case(rng, world, rng.choice(breaking), len(cases)))
-    return dict(index=index, world=world, ulysses=rng.choice([1, 1, 2]), cases=cases, layouts=LAYOUTS,
-                ending=rng.choice(["ringseq", "user", "hard"]))
+        cases.append(_case(rng, world, rng.choice(breaking), len(cases), engine))
+    # an engine over two sequence groups (replicas) where no case breaks the job
+    sp = 2 if engine != "none" and world == 4 and cases[-1]["fault"] in RECOVERABLE and rng.random() < 0.5 else world
+    return dict(index=index, world=world, sp=sp, ulysses=rng.choice([1, 1, 2]) if sp == world else 1, cases=cases,
+                layouts=LAYOUTS, ending=rng.choice(["ringseq", "user", "hard"]), engine=engine, compiled=compiled,
+                timeout=COMPILED_TIMEOUT if compiled else TIMEOUT)
 
 
-def _case(rng, world: int, fault: str, step: int) -> dict:
+def _case(rng, world: int, fault: str, step: int, engine: str = "none") -> dict:
     from ringseq import LAYOUTS
 
     victim = rng.randrange(1, world) if fault == "host exits" else rng.randrange(world)
-    return dict(step=step, fault=fault, victim=victim, kind=rng.choice(["raw", "raw", "model"]),
-                layout=rng.choice(LAYOUTS), mask=rng.choice(["none", "documents", "padding", "window"]),
+    return dict(step=step, fault=fault, victim=victim, kind=rng.choice(["raw", "raw", "model"]) if engine == "none"
+                else "model", layout=rng.choice(LAYOUTS), mask=rng.choice(["none", "documents", "padding", "window"]),
                 dtype=rng.choice(["fp32", "bf16"]), seed=rng.randrange(10**6), s=2 * rng.randint(4, 12))
 
 
 # ---------------------------------------------------------------------------------- on every rank
+
+def _me() -> int:
+    """This rank's global rank (a case's victim is one; a tree over replicas has two sequence groups)."""
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
 
 def _inject(case: dict, sp):
     """Arm the case's fault on its victim; returns a function that disarms it."""
     from ringseq.attention import ring
 
     fault = case["fault"]
-    if sp.rank != case["victim"] or fault in ("none", "other inputs", "refuse"):
+    if _me() != case["victim"] or fault in ("none", "other inputs", "refuse"):
         return lambda: None
     if fault.startswith("sleep"):
         time.sleep(TIMEOUT / 4 if fault == "sleep under" else SLEEP_PAST)
@@ -143,10 +170,10 @@ def _raw(case: dict, sp, faulty: bool, clock: list):
     mine = window + 1 if window is not None and faulty and case["fault"] == "other inputs" else window
     if faulty and case["fault"] == "other inputs" and window is None:
         mine = S  # a window that sees everything: the same result, another call
-    if faulty and case["fault"] == "refuse" and sp.rank == case["victim"]:
+    if faulty and case["fault"] == "refuse" and _me() == case["victim"]:
         local[1] = local[1].detach().to("meta")  # refused by its own check, in the call's agreement
     clock[0] = time.perf_counter()
-    out = ringseq.ring_attention(*local, sp=sp, window=mine if sp.rank == case["victim"] else window,
+    out = ringseq.ring_attention(*local, sp=sp, window=mine if _me() == case["victim"] else window,
                                  position_ids=None if pos is None else ringseq.shard(pos, 1, sp=sp),
                                  attention_mask=None if pad is None else ringseq.shard(pad, 1, sp=sp))
     out.backward(ringseq.shard(dout.to(dtype), 2, sp=sp))
@@ -160,24 +187,65 @@ def _raw(case: dict, sp, faulty: bool, clock: list):
 
 
 def _model(case: dict, sp, faulty: bool, clock: list):
-    """A patched tiny Llama's training step; checked against the unpatched model when ``faulty`` is False."""
+    """A patched tiny Llama's training step; checked against the unpatched model when ``faulty`` is False. Under an
+    engine (``ENGINE``: the tree's) the step runs the tree's one wrapped model, whose gradients the engine averages."""
     import copy
 
     import ringseq
+    from ringseq.testing import assert_model_close
     from tests.integration.hf_models import check_against, make_batch
 
     kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
-    other = faulty and case["fault"] == "other inputs" and sp.rank == case["victim"]
+    other = faulty and case["fault"] == "other inputs" and _me() == case["victim"]
     batch = make_batch(2, case["s"] * sp.size, kind, seed=case["seed"] + (1 if other else 0))
     base, refs = _references(case, sp)
-    model = ringseq.patch(copy.deepcopy(base), sp=sp)
+    if ENGINE:  # the tree's model, wrapped once: the loop goes on with the same engine after a fault
+        model, wrapper = ENGINE["model"], ENGINE["wrapper"]
+        for p in model.parameters():
+            p.grad = None
+    else:
+        model = wrapper = ringseq.patch(copy.deepcopy(base), sp=sp)
     clock[0] = time.perf_counter()
-    refused = faulty and case["fault"] == "refuse" and sp.rank == case["victim"]
-    loss = model(**batch, **({"output_attentions": True} if refused else {})).loss
+    refused = faulty and case["fault"] == "refuse" and _me() == case["victim"]
+    loss = wrapper(**batch, **({"output_attentions": True} if refused else {})).loss
     loss.backward()
-    if not faulty:
-        check_against(refs, loss.detach(), {n: p.grad for n, p in model.named_parameters()}, sp,
-                      f"model case {case}")
+    if faulty:
+        return
+    grads = {n.replace("_orig_mod.", ""): p.grad for n, p in model.named_parameters()}
+    if not ENGINE:
+        check_against(refs, loss.detach(), grads, sp, f"model case {case}")
+        return
+    grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g) for n, g in grads.items()}
+    assert_model_close(loss.detach(), grads, *refs, f"model case {case} under {ENGINE['name']}")
+
+
+ENGINE: dict = {}
+"""This process's tree's engine: its name, the patched model and its wrapper (``wrap``)."""
+
+
+def wrap(tree: dict, sp) -> None:
+    """The tree's engine around one patched tiny Llama (the references' fp32 model: every case's is the same)."""
+    import copy
+
+    import ringseq
+    from tests.integration.hf_models import tiny_model
+
+    model = ringseq.patch(copy.deepcopy(tiny_model("llama")), sp=sp)
+    if tree.get("compiled"):
+        for layer in model.model.layers:
+            layer.compile(backend="aot_eager")
+    if tree["engine"] == "ddp":
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapper = DistributedDataParallel(model)
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=sp.meshes["fsdp"])
+        wrapper = fully_shard(model, mesh=sp.meshes["fsdp"])
+    ENGINE.update(name=tree["engine"] + (" (compiled layers)" if tree.get("compiled") else ""), model=model,
+                  wrapper=wrapper)
 
 
 _MODELS: dict = {}
@@ -188,10 +256,11 @@ def _references(case: dict, sp):
     and its clock: a slow reference must not stand in for a healthy rank's wait)."""
     from tests.integration.hf_models import make_batch, references
 
-    if case["seed"] not in _MODELS:
-        kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
-        _MODELS[case["seed"]] = references("llama", make_batch(2, case["s"] * sp.size, kind, seed=case["seed"]))
-    return _MODELS[case["seed"]]
+    kind = {"none": "plain", "documents": "packed", "padding": "padded", "window": "plain"}[case["mask"]]
+    key = (case["seed"], kind, case["s"] * sp.size)  # a case's next step (seed + 1) may meet a later case's seed
+    if key not in _MODELS:
+        _MODELS[key] = references("llama", make_batch(2, case["s"] * sp.size, kind, seed=case["seed"]))
+    return _MODELS[key]
 
 
 def run_case(case: dict, sp) -> dict:
@@ -218,7 +287,7 @@ def run_case(case: dict, sp) -> dict:
         disarm()
     outcome["seconds"] = round(time.perf_counter() - clock[0], 3)
     if fault == "host exits":  # rank 0, the store's host, ends the job on its error at once (no lingering)
-        if sp.rank == 0:
+        if _me() == 0:
             os._exit(1)
         try:  # the survivors' next call finds it gone: the victim, not rank 0, is still where it began
             run(dict(case, seed=case["seed"] + 1), sp, False, [0.0])
@@ -251,7 +320,10 @@ def _rank(rank: int, world: int, port: int, tree: dict, results) -> None:
         join_gloo(rank, world, port, threads=1)
         import ringseq
 
-        sp = ringseq.init(sp_size=world, ulysses_size=tree.get("ulysses", 1), timeout=TIMEOUT)
+        sp = ringseq.init(sp_size=tree.get("sp", world), ulysses_size=tree.get("ulysses", 1),
+                          timeout=tree.get("timeout", TIMEOUT))
+        if tree.get("engine", "none") != "none":
+            wrap(tree, sp)
         for case in tree["cases"]:
             results.send((rank, case["step"], run_case(case, sp)))
     except BaseException:  # noqa: BLE001 - the harness reports it
@@ -279,7 +351,7 @@ def run_tree(tree: dict) -> dict:
     world, port = tree["world"], free_port()
     pipes = [ctx.Pipe(duplex=False) for _ in range(world)]
     procs = [ctx.Process(target=_rank, args=(r, world, port, tree, pipes[r][1]), daemon=True) for r in range(world)]
-    budget = 60 + sum(TIMEOUT + 8 for _ in tree["cases"])
+    budget = 60 + sum(tree.get("timeout", TIMEOUT) + 8 for _ in tree["cases"])
     got, deadline = {}, time.time() + budget
     for p in procs:
         p.start()
@@ -344,7 +416,9 @@ def judge(tree: dict, ran: dict) -> list[dict]:
             else:
                 slowest = max(slowest, outcome["seconds"])
                 text = outcome["message"].lower()
-                named = victim in _ranks(text, r"(?:global|group) ranks? ([\d, ]+)")
+                sp = tree.get("sp", world)  # a group's ranks are consecutive global ranks: group rank g of rank r's
+                named = victim in _ranks(text, r"global ranks? ([\d, ]+)") | {
+                    r // sp * sp + g for g in _ranks(text, r"group ranks? ([\d, ]+)")}
                 # a tree whose processes end hard: rank 0 may take the store with it before a survivor far
                 # from the victim has read a note; it must say so, and blame no one
                 unknowable = tree.get("ending") == "hard" and "no note could be read to tell where" in text
@@ -353,21 +427,29 @@ def judge(tree: dict, ran: dict) -> list[dict]:
                 blamed = _ranks(text, r"global ranks? ([\d, ]+) (?:failed|raised)")
                 if fault in BREAKING and blamed - {victim}:  # a healthy neighbour that gave up after its own error
                     problems.append(f"rank {r} blamed healthy rank(s) {sorted(blamed - {victim})}: {text}")
-                bound = TIMEOUT + GRACE + SLACK if fault in BREAKING else TIMEOUT + SLACK
+                timeout = tree.get("timeout", TIMEOUT)
+                bound = timeout + GRACE + SLACK if fault in BREAKING else timeout + SLACK
                 if fault == "sleep past":  # a rank that began its wait later may pass it, then time out in the next
                     bound += SLEEP_PAST
                 if outcome["seconds"] > bound:
                     problems.append(f"rank {r} raised after {outcome['seconds']} s (bound {bound} s)")
             if fault == "host exits":  # its next call: the victim named again, rank 0 only told of
                 after = outcome.get("after", "")
-                if not after.startswith("RingSeqError") or victim not in _ranks(after.lower(), r"global ranks? ([\d, ]+) raised"):
+                engine_first = tree.get("engine", "none") != "none" and after.startswith("RuntimeError") and \
+                    "connection" in after.lower()  # the engine's collective before the patched forward met it first
+                if engine_first:
+                    pass
+                elif not after.startswith("RingSeqError") or victim not in _ranks(after.lower(), r"global ranks? ([\d, ]+) raised"):
                     problems.append(f"rank {r}: the call after rank 0 exited did not name rank {victim}: {after}")
                 elif _ranks(after.lower(), r"global ranks? ([\d, ]+) (?:failed|raised|never)") - {victim}:
                     problems.append(f"rank {r} blamed another rank than {victim} after rank 0 exited: {after}")
             if fault in RECOVERABLE and outcome.get("again") != "exact":
                 problems.append(f"rank {r}: the call after the fault: {outcome.get('again')}")
-        verdicts.append(dict(tree=tree["index"], world=world, **case, ok=not problems, problems=problems,
-                             slowest_error_s=slowest))
+        engine = tree.get("engine", "none") + (" compiled" if tree.get("compiled") else "")
+        if tree.get("sp", world) < world:
+            engine += " over replicas"
+        verdicts.append(dict(tree=tree["index"], world=world, engine=engine, **case, ok=not problems,
+                             problems=problems, slowest_error_s=slowest))
     return verdicts
 
 
@@ -380,19 +462,25 @@ def main(argv=None) -> int:
     p.add_argument("--faults", default=",".join(RECOVERABLE + BREAKING),
                    help="the faults to draw from, comma-separated (default: all)")
     p.add_argument("--worlds", default="2,4", help="the world sizes to draw from")
+    p.add_argument("--engines", default="none,none," + ",".join(ENGINES),
+                   help="the engines to draw a tree's from, comma-separated, repeats weighing (default: a third of "
+                        "the trees under DDP or FSDP2)")
     args = p.parse_args(argv)
     faults = tuple(f.strip() for f in args.faults.split(","))
     unknown = set(faults) - set(RECOVERABLE + BREAKING)
     if unknown:
         p.error(f"unknown faults {sorted(unknown)}: choose from {', '.join(RECOVERABLE + BREAKING)}")
     worlds = tuple(int(w) for w in args.worlds.split(","))
+    engines = tuple(e.strip() for e in args.engines.split(","))
+    if set(engines) - {"none", *ENGINES}:
+        p.error(f"unknown engines {sorted(set(engines) - {'none', *ENGINES})}: choose from none, {', '.join(ENGINES)}")
     from tqdm import tqdm
 
     rng, verdicts, start = random.Random(args.seed), [], time.time()
     bar = tqdm(total=args.cases, desc="fault soak", unit="case")
     index = 0
     while len(verdicts) < args.cases and time.time() - start < 60 * args.minutes:
-        tree = draw_tree(rng, index, faults, worlds)
+        tree = draw_tree(rng, index, faults, worlds, engines)
         index += 1
         got = judge(tree, run_tree(tree))
         verdicts += got
@@ -408,10 +496,16 @@ def main(argv=None) -> int:
         row["cases"] += 1
         row["failures"] += not v["ok"]
         row["slowest_error_s"] = max(row["slowest_error_s"], v["slowest_error_s"])
-    failures = [dict(fault=v["fault"], kind=v["kind"], world=v["world"], victim=v["victim"], problems=v["problems"])
-                for v in verdicts if not v["ok"]]
-    print(json.dumps({"cases": len(verdicts), "trees": index, "failures": len(failures),
+    by_engine = {}
+    for v in verdicts:
+        row = by_engine.setdefault(v["engine"], {"cases": 0, "failures": 0})
+        row["cases"] += 1
+        row["failures"] += not v["ok"]
+    failures = [dict(fault=v["fault"], kind=v["kind"], world=v["world"], engine=v["engine"], victim=v["victim"],
+                     problems=v["problems"]) for v in verdicts if not v["ok"]]
+    print(json.dumps({"cases": len(verdicts), "trees": index, "failures": len(failures), "seed": args.seed,
                       "timeout_s": TIMEOUT, "bound_s": TIMEOUT + GRACE + SLACK, "by_fault": by_fault,
+                      "by_engine": by_engine,
                       "minutes": round((time.time() - start) / 60, 1), "failed": failures[:20]}))
     return 1 if failures else 0
 

@@ -28,10 +28,18 @@ TREES = [
                                   _case(1, "sleep under", 3, layout="striped"), _case(2, "stop", 0)]),
     # world 4: rank 2 exits inside the ring; every survivor names it, none a neighbour that gave up after it
     dict(index=2, world=4, cases=[_case(0, "exit", 2, mask="none", dtype="bf16")]),
+    # FSDP2 over two sequence groups of 2 (replicas): one wrapped model for the tree; a kernel that raises in rank 1's
+    # backward fails both groups' step, the next steps are exact, then rank 3 refuses its own call
+    dict(index=3, world=4, sp=2, engine="fsdp2", cases=[_case(0, "raise backward", 1, kind="model", mask="none"),
+                                                         _case(1, "none", 0, kind="model", mask="documents"),
+                                                         _case(2, "refuse", 3, kind="model", mask="none")]),
+    # DDP with its defaults over one group of 2: a kernel that raises in rank 0's forward, then rank 1 SIGKILLed
+    dict(index=4, world=2, engine="ddp", cases=[_case(0, "raise forward", 0, kind="model", mask="padding"),
+                                                _case(1, "kill", 1, kind="model", mask="none")]),
 ]
 
 
-@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"world{t['world']}")
+@pytest.mark.parametrize("tree", TREES, ids=lambda t: f"world{t['world']}-{t.get('engine', 'none')}")
 def test_every_fault_ends_as_the_soak_requires(tree):
     verdicts = fault_soak.judge(tree, fault_soak.run_tree(tree))
     assert [v["fault"] for v in verdicts] == [c["fault"] for c in tree["cases"]]
