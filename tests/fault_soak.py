@@ -33,7 +33,7 @@ one rank (rank 0, which serves the rendezvous store, included):
                      job that ends on an error may: every other rank names the victim, in that call
                      and in its next (which finds rank 0 gone), and blames no other rank.
 
-A third of the trees wrap the model in an engine, DDP or FSDP2 (per layer and root), with compiled layers in a
+Half the trees wrap the model in an engine, DDP or FSDP2 (per layer and root), with compiled layers in a
 third of those: every case of such a tree is a training step of one patched model wrapped once for the tree (the
 loop goes on with the same engine after a fault), at world 4 over one sequence group or, in trees without a breaking
 fault, two (the engine over replicas: both groups must raise). Trees with compiled layers draw recoverable faults
@@ -463,8 +463,8 @@ def main(argv=None) -> int:
                    help="the faults to draw from, comma-separated (default: all)")
     p.add_argument("--worlds", default="2,4", help="the world sizes to draw from")
     p.add_argument("--engines", default="none,none," + ",".join(ENGINES),
-                   help="the engines to draw a tree's from, comma-separated, repeats weighing (default: a third of "
-                        "the trees under DDP or FSDP2)")
+                   help="the engines to draw a tree's from, comma-separated, repeats weighing (default: half the "
+                        "trees under DDP or FSDP2)")
     args = p.parse_args(argv)
     faults = tuple(f.strip() for f in args.faults.split(","))
     unknown = set(faults) - set(RECOVERABLE + BREAKING)
