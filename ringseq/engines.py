@@ -62,6 +62,9 @@ def check(model, sp) -> Sharding | None:
     from torch.nn.parallel import DistributedDataParallel
 
     fsdp2 = _fsdp2_class()
+    # this step's engines only: a check that refuses them leaves none to recover, on every rank alike
+    _found.pop(sp.ranks, None)
+    lockstep.widen(sp, None)
     states, fsdp1, ddps, engines = [], [], [], []
     for m in model.modules():
         if isinstance(m, FullyShardedDataParallel):

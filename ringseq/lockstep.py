@@ -141,8 +141,8 @@ def forget() -> None:
 def widen(sp, scope) -> None:
     """A patched forward of ``sp`` begins under an engine over the replicas ``scope`` (None: over its group only):
     the step's gates, the end of its forward or the start and end of its backward are met by every rank of
-    ``scope`` too, and a failure of the step told to it (``ringseq.recovery``). The scope's news of an earlier step is spent (every rank of it left that step
-    through ``exchange_counts``)."""
+    ``scope`` too, and a failure of the step told to it (``ringseq.recovery``). The scope's news of an earlier
+    step is spent (every rank of it left that step through ``exchange_counts``)."""
     _wider[sp.ranks] = scope
     if scope is not None:
         st = state(scope)
@@ -296,8 +296,9 @@ def mark_failed(sp, reason: str = "", cause: int | None = None) -> None:
     since the rank was last in step) and leave a note for peers that may be waiting (``cause``:
     as ``peers.post_failure``'s)."""
     st = state(sp)
-    if st.failure is None:  # a new failure of this rank's: its peers know only once it is shared (``tell``) or agreed
-        st.failure, st.told = st.last, False  # (one already shared, noted again on its way out, stays told)
+    if st.failure is None:
+        st.failure = st.last
+    st.told = False  # a failure of this rank's: its peers know only once it is shared (``tell``) or agreed
     st.settling = False  # a backward pass that failed drops its end-of-backward callback with it
     if reason:
         peers.post_failure(sp, reason, cause)

@@ -37,14 +37,15 @@ _installed = []
 def step_failed(sp, error: BaseException, label: str, model=None) -> None:
     """This rank leaves a patched step of ``sp`` with ``error``: its note, every rank told, the engine recovered
     with every other rank. Never raises (the caller raises ``error``)."""
-    if not isinstance(error, RingSeqError) and not getattr(error, "relayed", False):
+    shared = getattr(error, "ringseq_shared", False)  # shared in the ring call that raised it: its group knows
+    if not isinstance(error, RingSeqError) and not getattr(error, "relayed", False) and not shared:
         lockstep.mark_failed(sp, f"{label}: {type(error).__name__}: {error}")
     backward = lockstep.state(sp).open is not None
     # under an engine over several sequence groups every rank of the job is told too: the others meet the job at
     # the step's next gate, at the forward's end (no backward to come) or at the backward's start or end
     scope = lockstep.wider(sp)
-    if scope is None or not lockstep.state(scope).told:  # raised at the job's gate: its whole group met it there
-        lockstep.tell(sp, label, error)
+    if not shared and (scope is None or not lockstep.state(scope).told):  # raised at the job's gate: its whole
+        lockstep.tell(sp, label, error)  # group met it there
     if scope is not None:
         lockstep.tell(scope, label, error)
     lockstep.close_step(sp)

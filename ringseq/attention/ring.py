@@ -502,6 +502,15 @@ class RingAttention(torch.autograd.Function):
         return (*grads, None)
 
 
+def _shared_with_group(exc: BaseException) -> None:
+    """Every rank of the group knows of ``exc`` (its outcome was shared): the step's failure path
+    (``ringseq.recovery.step_failed``) tells the group no more."""
+    try:
+        exc.ringseq_shared = True
+    except AttributeError:  # an exception type that takes no attributes: the failure path tells the group again
+        pass
+
+
 def _shared(opts: RingOptions, label: str, run, *args):
     """``run(*args)``, then (``opts.shared``) every rank learns whether it failed on any rank
     (``lockstep.share_outcome``): a rank whose own part failed raises its own exception (an
@@ -518,11 +527,14 @@ def _shared(opts: RingOptions, label: str, run, *args):
         if not lockstep.state(opts.sp).broken:  # a transport that failed carries nothing more
             try:
                 lockstep.share_outcome(opts.sp, label, failed=True, origin=own)
+                _shared_with_group(exc)
             except RingSeqError:  # the peers never came: this rank's own error is still the one to raise,
                 if own and not isinstance(exc, RingSeqError):  # and its note the origin's (the wait's replaced it)
                     lockstep.mark_failed(opts.sp, note)
         raise
     error = lockstep.share_outcome(opts.sp, label, failed=False)
     if error is not None:
-        raise RingSeqError(error)
+        exc = RingSeqError(error)
+        _shared_with_group(exc)
+        raise exc
     return result
