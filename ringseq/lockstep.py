@@ -567,8 +567,7 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         if any(row[_FAILED] >= 0 for row in table):  # out of step after failures: name where they began
             since = st.agreed_at or st.born
             began, words = peers.raised_since(sp, since, mine=True) if peers.shared(sp) else ([], None)
-            told = [sp.ranks[r] for r, row in enumerate(table)  # a rank that told its own failure (``tell``)
-                    if row[_KIND] == KINDS.index("outcome") and row[len(HEADER)] and row[len(HEADER) + 1]]
+            told = _tellers(sp, table, own=True)  # a rank that told its own failure (``tell``)
             if not began and told:  # its note unread (the store's host gone): its record names it
                 began, words = told, "; ".join(f"global rank {r} raised (its note, with its error, could not be "
                                                f"read)" for r in told)
@@ -584,13 +583,19 @@ def agree(sp, kind: str, fields: dict[str, int], hint: str = "", position: int |
         raise RingSeqError(message)
 
 
+def _tellers(sp, table: list, own: bool) -> list[int]:
+    """The global ranks whose record in ``table`` is a failed shared outcome (``share_outcome``); ``own``: only
+    those whose failure was their own (its origin), not a peer's passed on."""
+    return [sp.ranks[r] for r, row in enumerate(table) if row[_KIND] == KINDS.index("outcome") and row[len(HEADER)]
+            and (row[len(HEADER) + 1] or not own)]
+
+
 def _replica_failed(sp, st: _State, table: list, kind: str, number: int) -> None:
     """At an agreement of the job's scope (``ringseq.replicas``): raise when a rank of another sequence group told
     the job its step failed (its record is a shared outcome)."""
-    told = [r for r, row in enumerate(table) if row[_KIND] == KINDS.index("outcome") and row[len(HEADER)]]
-    if not told:
+    origins = _tellers(sp, table, own=True) or _tellers(sp, table, own=False)
+    if not origins:
         return
-    origins = [sp.ranks[r] for r in told if table[r][len(HEADER) + 1]] or [sp.ranks[r] for r in told]
     st.told = True  # every rank of the job raises here or told it
     who = ", ".join(f"global rank {r}" for r in origins)
     raise RingSeqError(f"a step failed on {who} (another rank's error, raised there): every rank of the job raises "
