@@ -190,18 +190,18 @@ def search(kind: str, P: int, features: tuple, budget_mb: float, start: int, gra
 
 def fit_search(system, name: str, P: int, fits, budget_mb: float, start: int, grain: int, cap: int) -> dict:
     """The fit contender's search: fit's step memory is not monotone in N (it turns switches on as N
-    grows), so no bisection. Probes at start, 2 start, ... below the longest N on the grid that fit
-    accepts (its planner's), then at that N and, while a step goes over the budget, one grain below;
-    then one grain above (which fit refuses before the step). The longest N: the first of the
-    downward probes that fits."""
+    grows), so no bisection. Probes at start, 2 start, ... (with ``--fit-step``: start, start + step, ...)
+    below the longest N on the grid that fit accepts (its planner's), then at that N and, while a step goes
+    over the budget, one grain below; then one grain above (which fit refuses before the step). The longest
+    N: the first of the downward probes that fits."""
     from ringseq.planner import fit as planner_fit
 
     state = system.engine.module._ringseq_patch.fit
     limit = min(cap, planner_fit.longest(state.setting, 1, state.budget, cap + grain) // grain * grain)
-    N = start
+    N, step = start, int(os.environ.get("RINGSEQ_LONGEST_FIT_STEP", "0"))
     while N < limit:
         fits(N)
-        N *= 2
+        N = N + step if step else N * 2
     N = limit
     while N > 0 and not fits(N):
         N -= grain
@@ -290,7 +290,9 @@ def plot(records, path):
     import matplotlib.pyplot as plt
 
     best = list({r["system"]: r for r in records if r["kind"] == "longest"}.values())  # a system's latest search
-    probes = [r for r in records if r["kind"] == "probe" and r.get("step_mb")]
+    latest = {r["system"]: r.get("run") for r in records if r["kind"] == "longest"}  # a system's latest search's run
+    probes = [r for r in records if r["kind"] == "probe" and r.get("step_mb")
+              and r.get("run") == latest.get(r["system"], r.get("run"))]
     sizes = sorted({r["P"] for r in probes})
     fig, axes = plt.subplots(1, 1 + len(sizes), figsize=(5 + 4.5 * len(sizes), 4.5), squeeze=False)
     axes = axes[0]
@@ -327,8 +329,11 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="tokens/s: fresh process trees per system, interleaved")
     parser.add_argument("--steps", type=int, default=2, help="tokens/s: timed steps per tree, after a warm-up step")
     parser.add_argument("--only-timing", action="store_true", help="skip the searches: tokens/s at --common only")
+    parser.add_argument("--fit-step", type=lambda t: max(0, int(t)), default=0,
+                        help="fit systems: probe every this many tokens from --start (default 0: doubling)")
     parser.add_argument("--out", default=common.RESULTS)
     args = parser.parse_args(argv)
+    os.environ["RINGSEQ_LONGEST_FIT_STEP"] = str(args.fit_step)  # read by the fit search in the process trees
     if args.model == "hybrid":
         alst = [t for t in args.systems if t.startswith("alst")]
         if alst:

@@ -191,6 +191,10 @@ def write_preset(records: list[dict]) -> None:
     presets["cpu"].update(_ring_fields(presets["cpu"], by["ring"]))
     presets["cpu"]["source"] += (f"; ring_attention at P=2 (8/2 heads, D=32): {by['ring']['ms_32']} ms per call at 32 "
                                  f"tokens per rank, {by['ring']['ms_1024']} ms at 1024")
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30  # the host is the devices' memory too
+    presets["cpu"]["host_memory_gb"] = int(0.8 * total)
+    presets["cpu"]["source"] += (f"; host_memory_gb: this machine's {total:.0f} GiB in all, which is also the devices' "
+                                 "memory; 80% of it")
     with open(path, "w") as f:
         f.write(json.dumps(presets, indent=2) + "\n")
 

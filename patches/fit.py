@@ -38,8 +38,8 @@ from . import mixers, tiled_mlp as tiling, vision
 
 log = logging.getLogger("ringseq")
 MARGIN = 0.05
-"""Of a device's memory, kept free beside the predicted step when fit reads the free memory
-itself: the planner's error (-4% .. +3% on the measured probes), the caching allocator's blocks."""
+"""Of a device's memory, kept free when fit reads the free memory itself: the caching allocator's blocks
+and what else the process allocates (the planner's error is ``planner.fit.HEADROOM`` of the budget, on top)."""
 
 
 def check(model, chunked_loss, tiled_mlp, keep_ring_outputs, head_groups, memory_budget, split_vision) -> None:

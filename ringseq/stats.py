@@ -44,7 +44,8 @@ def stats(*, sp, reset: bool = False) -> dict:
     backend, "flash": which flash implementation the GPU's flash ops run and why (FA2 or FA3:
     ``ringseq.attention.kernels.flash_impl``)}, "fit": the last choice of ``patch(fit=True)`` (None
     without one: ``switches``, ``described``, ``length``, ``batch``, ``bucket`` (the length planned
-    at), ``predicted_peak_bytes`` (step memory), ``budget_bytes``, ``measured_peak_bytes`` (on CUDA
+    at), ``predicted_peak_bytes`` (step memory), ``budget_bytes``, ``plannable_bytes`` (the budget less fit's
+    headroom: what a predicted step may take), ``measured_peak_bytes`` (on CUDA
     the peak allocated since that step's forward began, above what was allocated then; None on
     CPU), ``predicted_step_s``, ``replans``, ``planning_s``)}``. ``attention_pairs`` is the visible query-key pairs of a
     full-attention layer that the rank's queries had in the batches sharded in the period, counted

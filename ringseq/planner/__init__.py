@@ -4,7 +4,7 @@ Pure Python and numpy, no torch: ``ringseq.plan`` is cheap to call. Formulas: do
 """
 from .hardware import Hardware, hardware, presets
 from .model_spec import ModelSpec, model_spec
-from .predict import Fix, ModeEstimate, Plan, Recommendation, plan
+from .predict import Fix, ModeEstimate, Plan, Recommendation, longest, plan
 
-__all__ = ["Fix", "Hardware", "ModeEstimate", "ModelSpec", "Plan", "Recommendation", "hardware", "model_spec", "plan",
-           "presets"]
+__all__ = ["Fix", "Hardware", "ModeEstimate", "ModelSpec", "Plan", "Recommendation", "hardware", "longest", "model_spec",
+           "plan", "presets"]

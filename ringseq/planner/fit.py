@@ -2,8 +2,8 @@
 
 ``ringseq.patch(model, sp=sp, fit=True)`` asks ``choose`` before each new length (and batch
 shape): every set of switches (``candidates``) is costed by the planner (``predict.estimate``),
-and the fastest whose predicted *step memory* fits the budget wins, a tie going to the one that
-needs less. Step memory is what a forward + backward adds to what a rank holds between steps
+and the fastest whose predicted *step memory* fits the budget less ``HEADROOM`` (the planner's
+measured error) wins, a tie going to the one that needs less. Step memory is what a forward + backward adds to what a rank holds between steps
 (the gradients, activations and workspace at the step's peak; not the weights or optimizer
 state): what ``benchmarks/longest.py`` measures and bounds. Lengths are planned by bucket
 (``bucket``: a geometric grid, ``STEPS`` per doubling), at the bucket's top, so a run of mixed
@@ -27,6 +27,20 @@ GB = 2**30
 MB = 2**20
 STEPS = 8
 """Buckets per doubling of the length: a bucket's top is at most 2**(1/8) = 9% above its lengths."""
+HEADROOM = 0.04
+"""Of the budget, kept free beside the predicted step: the planner's largest under-prediction of a step's memory
+measured on the benchmark model (3.9%, docs/planner.md), where every step fit then accepted measured within the
+budget (docs/memory.md, "Fit within its budget")."""
+
+
+def plannable(budget: float) -> float:
+    """The bytes a predicted step may take of ``budget``: the budget less ``HEADROOM``."""
+    return budget * (1 - HEADROOM)
+
+
+def budget_for(need: float) -> int:
+    """The smallest budget whose plannable part holds a predicted step of ``need`` bytes."""
+    return int(math.ceil(need / (1 - HEADROOM)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +118,8 @@ class Choice:
     predicted_peak_bytes: int
     """Predicted step memory: what the step adds to what is held between steps."""
     predicted_step_s: float
+    host_fits: bool = True
+    """What the node's ranks keep in host memory (offloaded kept tensors) fits the preset's host memory."""
 
 
 def candidates(setting: Setting) -> list[Switches]:
@@ -127,7 +143,8 @@ def cost(setting: Setting, sw: Switches, S: int, B: int) -> Choice:
     e = estimate(setting.spec, setting.hw, f, S=S, R=setting.ring, U=setting.ulysses, G=setting.gpus,
                  per_node=setting.per_node, layout=setting.layout)
     step = sum(e.memory_gb[k] for k in ("grads", "activations", "transient")) * GB
-    return Choice(switches=sw, S=S, B=B, predicted_peak_bytes=int(math.ceil(step)), predicted_step_s=e.step_time_s)
+    return Choice(switches=sw, S=S, B=B, predicted_peak_bytes=int(math.ceil(step)), predicted_step_s=e.step_time_s,
+                  host_fits=e.host_memory_per_node_gb <= setting.hw.host_memory_gb)
 
 
 def costed(setting: Setting, S: int, B: int) -> list[Choice]:
@@ -135,14 +152,16 @@ def costed(setting: Setting, S: int, B: int) -> list[Choice]:
 
 
 def choose(setting: Setting, S: int, B: int, budget: float) -> Choice | None:
-    """The fastest set whose step fits ``budget`` bytes (ties: the smaller), or None."""
-    fitting = [c for c in costed(setting, S, B) if c.predicted_peak_bytes <= budget]
+    """The fastest set whose predicted step fits ``budget`` bytes less the headroom and whose offloaded tensors fit
+    the host (ties: the smaller), or None."""
+    fitting = [c for c in costed(setting, S, B) if c.predicted_peak_bytes <= plannable(budget) and c.host_fits]
     return min(fitting, key=lambda c: (c.predicted_step_s, c.predicted_peak_bytes)) if fitting else None
 
 
 def least(setting: Setting, S: int, B: int) -> Choice:
-    """The set that needs the least memory (ties: the faster)."""
-    return min(costed(setting, S, B), key=lambda c: (c.predicted_peak_bytes, c.predicted_step_s))
+    """The set that needs the least memory of those whose offloaded tensors fit the host (ties: the faster)."""
+    return min((c for c in costed(setting, S, B) if c.host_fits),
+               key=lambda c: (c.predicted_peak_bytes, c.predicted_step_s))
 
 
 def bucket(S: int, grain: int = 1) -> int:
@@ -163,14 +182,15 @@ def grain(setting: Setting) -> int:
 
 
 def longest(setting: Setting, B: int, budget: float, below: int) -> int:
-    """The longest length on the layout's grid, at most ``below``, that some set fits (0: none)."""
-    g = grain(setting)
+    """The longest length on the layout's grid, at most ``below``, that some set fits in ``budget`` less the
+    headroom (0: none)."""
+    g, room = grain(setting), plannable(budget)
     lo, hi = 0, below // g  # in grains: lo fits (or is 0), everything above hi is not asked
-    if hi and least(setting, hi * g, B).predicted_peak_bytes <= budget:
+    if hi and least(setting, hi * g, B).predicted_peak_bytes <= room:
         return hi * g
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        if least(setting, mid * g, B).predicted_peak_bytes <= budget:
+        if least(setting, mid * g, B).predicted_peak_bytes <= room:
             lo = mid
         else:
             hi = mid
@@ -182,21 +202,22 @@ def refusal(setting: Setting, S: int, B: int, budget: float) -> str:
     need = least(setting, S, B)
     fits = longest(setting, B, budget, S)
     text = (f"fit: no set of memory switches fits a step of {B} x {S} tokens in the budget of "
-            f"{budget / MB:.0f} MiB per rank (sp_size {setting.sp_size}): the least any set needs is "
-            f"{need.predicted_peak_bytes / MB:.0f} MiB ({need.switches.describe()}). The longest length that fits "
-            f"is {fits} tokens" + ("" if B == 1 else f" at {B} rows") + ". To train this length: ")
-    ways = [f"a memory_budget of at least {need.predicted_peak_bytes / MB:.0f} MiB"]
+            f"{budget / MB:.0f} MiB per rank (sp_size {setting.sp_size}; {HEADROOM:.0%} of it kept free for the "
+            f"planner's error): the least any set needs is {need.predicted_peak_bytes / MB:.0f} MiB "
+            f"({need.switches.describe()}). The longest length that fits is {fits} tokens"
+            + ("" if B == 1 else f" at {B} rows") + ". To train this length: ")
+    ways = [f"a memory_budget of at least {budget_for(need.predicted_peak_bytes) / MB:.0f} MiB"]
     more = dataclasses.replace(setting, ring=setting.ring * 2, gpus=setting.gpus * 2)
     for n in range(1, 5):  # the fewest doublings of the sequence group that fit
         wider = least(more, S, B)
-        if wider.predicted_peak_bytes <= budget:
+        if wider.predicted_peak_bytes <= plannable(budget):
             ways.append(f"sp_size {more.sp_size} ({wider.predicted_peak_bytes / MB:.0f} MiB predicted)")
             break
         more = dataclasses.replace(more, ring=more.ring * 2, gpus=more.gpus * 2)
     if setting.ulysses == 1:
         for U in ulysses_sizes(setting.spec, setting.sp_size)[1:]:
             got = least(dataclasses.replace(setting, ring=setting.sp_size // U, ulysses=U), S, B)
-            if got.predicted_peak_bytes <= budget:
+            if got.predicted_peak_bytes <= plannable(budget):
                 ways.append(f"ulysses_size {U} ({got.predicted_peak_bytes / MB:.0f} MiB predicted)")
                 break
     ways.append("shorter sequences" + ("" if B == 1 else " or fewer rows per batch"))
@@ -208,6 +229,7 @@ def report(choice: Choice, budget: float, bucket_top: int, replans: int, plannin
     return {"switches": dataclasses.asdict(choice.switches), "described": choice.switches.describe(),
             "length": choice.S, "batch": choice.B, "bucket": bucket_top,
             "predicted_peak_bytes": choice.predicted_peak_bytes, "budget_bytes": int(budget),
+            "plannable_bytes": int(plannable(budget)),
             "measured_peak_bytes": None, "predicted_step_s": choice.predicted_step_s,
             "replans": replans, "planning_s": planning_s}
 

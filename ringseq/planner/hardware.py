@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 from importlib import resources
 
 from ringseq.errors import RingSeqError
@@ -38,6 +39,9 @@ class Hardware:
     inter_latency_us: float
     memory_gb: float
     """Device memory, GiB."""
+    host_memory_gb: float = float("inf")
+    """Host memory per node that the job may fill, GiB: what offloaded optimizer state, weights and kept
+    activations are bounded by (``inf``: not bounded)."""
     bytes: int
     """Bytes per activation / weight element (2 for bf16, 4 for fp32)."""
     cores: int
@@ -72,8 +76,9 @@ def presets() -> dict[str, dict]:
 
 
 def hardware(name: str | Hardware, *, intra_gbps: float | None = None, inter_gbps: float | None = None,
-             tflops: float | None = None) -> Hardware:
-    """The preset ``name`` with any override; ``tflops`` replaces the peak TFLOP/s."""
+             tflops: float | None = None, host_memory_gb: float | None = None) -> Hardware:
+    """The preset ``name`` with any override; ``tflops`` replaces the peak TFLOP/s, ``host_memory_gb`` the host
+    memory per node the job may fill."""
     if isinstance(name, Hardware):
         base = dataclasses.asdict(name)
     elif name in presets():
@@ -81,10 +86,12 @@ def hardware(name: str | Hardware, *, intra_gbps: float | None = None, inter_gbp
     else:
         raise RingSeqError(f"unknown hardware {name!r}: choose one of {sorted(presets())}, or give "
                            "--intra-gbps, --inter-gbps and --tflops with the nearest preset")
-    for key, value in (("intra_gbps", intra_gbps), ("inter_gbps", inter_gbps), ("peak_tflops", tflops)):
+    for key, value in (("intra_gbps", intra_gbps), ("inter_gbps", inter_gbps), ("peak_tflops", tflops),
+                       ("host_memory_gb", host_memory_gb)):
         if value is not None:
-            if value <= 0:
-                raise RingSeqError(f"{key} must be positive, got {value}")
+            if not (isinstance(value, (int, float)) and 0 < value < math.inf):
+                raise RingSeqError(f"{key} must be a positive finite number, got {value!r}")
             base[key] = float(value)
-            base["name"] = f"{base['name']}+custom"
+            if key != "host_memory_gb":  # the node's memory, not the device's rates: the preset stays the preset
+                base["name"] = f"{base['name']}+custom"
     return Hardware(**base)

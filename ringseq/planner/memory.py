@@ -110,6 +110,19 @@ def offloaded_bytes(m: ModelSpec, f: Features, b: int, s: int, c: int, U: int, R
     return m.L * _layer(m, f, b, s, c, U, R, host).offloaded * s * f.micro_batch
 
 
+def host_bytes(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: int, R: int, host: bool = False) -> float:
+    """Bytes a rank keeps in host memory through a training step: the kept tensors it offloads
+    (``offload_activations``, every layer's at the end of the forward) and, with ``offload``
+    (DeepSpeed's ZeRO-Offload), its shard of the fp32 master weights, Adam's m and v and the fp32
+    gradients (16 bytes per parameter) and under ZeRO-3 its shard of the weights (``states``
+    keeps only the gathered layers on the device)."""
+    kept = offloaded_bytes(m, f, b, s, c, U, R, host) if f.training else 0.0
+    if not (f.offload and f.training):
+        return kept
+    shard = m.params / (G if f.zero_stage >= 1 else 1)
+    return kept + 16 * shard + (m.params * b / G if f.zero_stage >= 3 else 0.0)
+
+
 def states(m: ModelSpec, f: Features, b: int, G: int) -> dict[str, float]:
     """Bytes of weights, gradients and optimizer state per rank."""
     N = m.params
@@ -145,6 +158,7 @@ def step_phases(m: ModelSpec, f: Features, b: int, G: int, s: int, c: int, U: in
         loss = rows * m.V * (b + upcast) * B + head_grad
     else:
         loss = rows * m.V * (b + upcast + 8) * B
+    loss += m.d * b * s * B  # the final hidden states' gradient, the whole shard's (the fused loss: formed in forward)
     loss_grads = head_grad if f.chunked_loss and s > rows and f.zero_stage == 3 else 0.0
     rebuilt = (ly.saved - ly.kept if f.checkpointing else 0.0) * s * B  # offloaded: the layer's own brought back
     work = ly.workspace * s * B

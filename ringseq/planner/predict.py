@@ -2,11 +2,12 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import itertools
 import math
 
 from ringseq.errors import RingSeqError
-from ringseq.lengths import check_layout, padded_length
+from ringseq.lengths import check_layout, multiple, padded_length
 
 from . import cost, memory
 from .features import Features
@@ -22,7 +23,8 @@ class _Fields:
         return getattr(self, key)
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """The fields as JSON takes them: an unbounded limit (``inf``) is None."""
+        return {k: None if v == math.inf else v for k, v in dataclasses.asdict(self).items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +53,13 @@ class ModeEstimate(_Fields):
     """A hybrid's recurrent layers costed both ways at this shape's P: ``{"state": {...},
     "heads": {...}}``, each ``time_s`` (all recurrent layers, forward and backward),
     ``sent_gb_per_rank`` and ``possible`` (the head all-to-all needs P to divide the key heads)."""
+    host_memory_per_node_gb: float = 0.0
+    """Host memory the node's ranks fill (``memory.host_bytes``: offloaded kept tensors, optimizer state
+    and weights), GiB."""
+
+    def fits(self, hw: Hardware) -> bool:
+        """Within the device's memory per rank and the host's per node."""
+        return self.memory_per_rank_gb <= hw.memory_gb and self.host_memory_per_node_gb <= hw.host_memory_gb
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +106,12 @@ class Plan(_Fields):
     sp_size: int
     hardware: str
     fits: bool
+    host_memory_per_node_gb: float = 0.0
+    """The recommended shape's host memory per node (offloaded state and activations), GiB."""
+    host_limit_gb: float = float("inf")
+    """Host memory per node the job may fill (the preset's, or ``host_memory_gb``), GiB."""
+    seq_len: int = 0
+    """The tokens per sequence planned (``longest``: the length it found)."""
 
 
 def mode_name(R: int, U: int) -> str:
@@ -148,10 +163,12 @@ def estimate(m: ModelSpec, hw: Hardware, f: Features, *, S: int, R: int, U: int,
     ideal = La * ring.ideal_s + rec["ideal_s"] + m.L * dense + head + optimizer
     exposed = La * (ring.exposed_s + a2a) + rec["exposed_s"] + max(0.0, collective + optimizer - compute)
     mem = memory.per_rank(m, f, hw.bytes, G, int(s), int(S / R), U, R, host=hw.name == "cpu")
+    node = memory.host_bytes(m, f, hw.bytes, G, int(s), int(S / R), U, R, host=hw.name == "cpu") * min(G, per_node)
     return ModeEstimate(name=mode_name(R, U), ring=R, ulysses=U, step_time_s=step, efficiency=ideal / step,
                         exposed_comm_s=exposed, memory_per_rank_gb=mem["total"],
                         memory_gb={k: v for k, v in mem.items() if k != "total"}, ring_crosses_nodes=crosses,
-                        attention_s=La * (ring.time_s + a2a), recurrent_s=rec["time_s"], recurrent=ways)
+                        attention_s=La * (ring.time_s + a2a), recurrent_s=rec["time_s"], recurrent=ways,
+                        host_memory_per_node_gb=node / memory.GB)
 
 
 def _check(seq_len, gpus, gpus_per_node, sp_size, layout):
@@ -170,7 +187,7 @@ def _check(seq_len, gpus, gpus_per_node, sp_size, layout):
         raise RingSeqError(f"seq_len {seq_len} is shorter than sp_size {sp_size}: use fewer sequence ranks")
 
 
-SWITCHES = {"checkpointing": True, "tiled_mlp": 4, "offload": True, "zero_stage": 3}
+SWITCHES = {"checkpointing": True, "tiled_mlp": 4, "offload": True, "zero_stage": 3, "offload_activations": True}
 """The memory switches a fix may turn on, each with the value it proposes."""
 MORE_GPUS = 10  # a fix may double the gpus (and the ranks per sequence) up to 2**10 times
 
@@ -185,12 +202,15 @@ def flags(changes: dict) -> str:
     return " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}") for k, v in changes.items())
 
 
-def _fixes(shapes, f: Features, limit: float, *, S: int, G: int, P: int, per_node: int) -> tuple[Fix, ...]:
-    """What makes a shape fit in ``limit`` GiB: the memory switches that are off, one at a time
-    (else the fewest together), fastest first; then the fewest doublings of the gpus (and of the
-    ranks per sequence) with the switches as asked. ``shapes(features, G, P)`` costs the shapes."""
+def _fixes(shapes, f: Features, hw: Hardware, *, S: int, G: int, P: int, per_node: int) -> tuple[Fix, ...]:
+    """What makes a shape fit the device's memory (and the host's): the memory switches that are off,
+    one at a time (else the fewest together), fastest first; then the fewest doublings of the gpus
+    (and of the ranks per sequence) with the switches as asked. ``shapes(features, G, P)`` costs the
+    shapes. Offloading kept tensors is a switch only under checkpointing (asked, or in the same fix)."""
     def fix(changes: dict, features: Features, gpus: int = G, sp: int = P) -> Fix | None:
-        fitting = [e for e in shapes(features, gpus, sp) if e.memory_per_rank_gb <= limit]
+        if features.offload_activations and not features.checkpointing:
+            return None
+        fitting = [e for e in shapes(features, gpus, sp) if e.fits(hw)]
         if not fitting:
             return None
         best = min(fitting, key=lambda e: e.step_time_s)
@@ -198,7 +218,7 @@ def _fixes(shapes, f: Features, limit: float, *, S: int, G: int, P: int, per_nod
                    step_time_s=best.step_time_s)
 
     on = {"checkpointing": f.checkpointing, "tiled_mlp": f.tiled_mlp is not None, "offload": f.offload,
-          "zero_stage": f.zero_stage == 3}
+          "zero_stage": f.zero_stage == 3, "offload_activations": f.offload_activations}
     off = [k for k in SWITCHES if not on[k]]
     found: list[Fix] = []
     for n in range(1, len(off) + 1):
@@ -218,15 +238,22 @@ def _fixes(shapes, f: Features, limit: float, *, S: int, G: int, P: int, per_nod
     return tuple(found)
 
 
-def _reason(best: ModeEstimate, others: list[ModeEstimate], asked: bool, limit: float, fixes: tuple[Fix, ...],
+def _host(e: ModeEstimate, hw: Hardware) -> str:
+    """The host memory a shape fills per node, when it fills any."""
+    return (f", {e.host_memory_per_node_gb:.0f} GiB of host memory per node of {hw.host_memory_gb:g}"
+            if e.host_memory_per_node_gb else "")
+
+
+def _reason(best: ModeEstimate, others: list[ModeEstimate], asked: bool, hw: Hardware, fixes: tuple[Fix, ...],
             spell) -> str:
     """The recommendation in words, the fixes spelled by ``spell`` (``keywords`` or ``flags``)."""
+    limit = hw.memory_gb
     shape = f"{best.name} (ulysses {best.ulysses} x ring {best.ring})"
     speed = (f"{best.step_time_s:.3g} s/step at {best.efficiency:.0%} efficiency, {best.exposed_comm_s:.3g} s of "
              "exposed communication")
-    if best.memory_per_rank_gb <= limit:
+    if best.fits(hw):
         why = "the ulysses_size asked for" if asked else "the fastest shape that fits"
-        text = f"{shape}: {why}, {speed}, {best.memory_per_rank_gb:.1f} GiB per rank of {limit:g}"
+        text = f"{shape}: {why}, {speed}, {best.memory_per_rank_gb:.1f} GiB per rank of {limit:g}{_host(best, hw)}"
         return text + (f"; next {others[0].name} at {others[0].step_time_s:.3g} s" if others else "")
 
     def said(x: Fix, verb: str) -> str:
@@ -234,8 +261,10 @@ def _reason(best: ModeEstimate, others: list[ModeEstimate], asked: bool, limit: 
                 f"{x.step_time_s:.3g} s/step)")
 
     what = "the ulysses_size asked for does not fit" if asked else "no shape fits"
-    text = (f"{what} in {limit:g} GiB per rank: {'' if asked else 'the fastest, '}{shape}, needs "
-            f"{best.memory_per_rank_gb:.1f} GiB ({speed})")
+    where = f"{limit:g} GiB per rank" + (f" and {hw.host_memory_gb:g} GiB of host memory per node"
+                                          if best.host_memory_per_node_gb > hw.host_memory_gb else "")
+    text = (f"{what} in {where}: {'' if asked else 'the fastest, '}{shape}, needs "
+            f"{best.memory_per_rank_gb:.1f} GiB{_host(best, hw)} ({speed})")
     switches = [x for x in fixes if "gpus" not in x.changes]
     more = [x for x in fixes if "gpus" in x.changes]
     if switches and len(switches[0].changes) == 1:
@@ -251,18 +280,18 @@ def _reason(best: ModeEstimate, others: list[ModeEstimate], asked: bool, limit: 
     return text
 
 
-def _recommend(modes: list[ModeEstimate], limit: float, chosen: int | None, fixes) -> tuple:
+def _recommend(modes: list[ModeEstimate], hw: Hardware, chosen: int | None, fixes) -> tuple:
     """(best shape, Recommendation): the fastest shape that fits (of Ulysses size ``chosen``, when
     given); ``fixes()`` is asked what would make one fit only when none does."""
-    fitting = [e for e in modes if e.memory_per_rank_gb <= limit]
+    fitting = [e for e in modes if e.fits(hw)]
     pool = [e for e in modes if e.ulysses == chosen] if chosen else (fitting or modes)
     best = min(pool, key=lambda e: e.step_time_s)
     others = sorted((e for e in modes if e is not best), key=lambda e: e.step_time_s)
-    found = () if best.memory_per_rank_gb <= limit else fixes()
+    found = () if best.fits(hw) else fixes()
     asked = chosen is not None
     return best, Recommendation(mode=best.name, ring=best.ring, ulysses=best.ulysses,
-                                reason=_reason(best, others, asked, limit, found, keywords),
-                                cli_reason=_reason(best, others, asked, limit, found, flags), fixes=found)
+                                reason=_reason(best, others, asked, hw, found, keywords),
+                                cli_reason=_reason(best, others, asked, hw, found, flags), fixes=found)
 
 
 def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: str | Hardware = "h100",
@@ -271,7 +300,8 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
          tiled_mlp: int | None = None,
          chunked_loss: bool = True, offload: bool = False, optimizer: bool = True, micro_batch: int = 1,
          intra_gbps: float | None = None, inter_gbps: float | None = None, tflops: float | None = None,
-         head_groups: int | str | None = None, offload_activations: bool = False, fsdp: bool = False) -> Plan:
+         head_groups: int | str | None = None, offload_activations: bool = False, fsdp: bool = False,
+         host_memory_gb: float | None = None) -> Plan:
     """Predict per-rank memory and step time of fine-tuning ``model`` (a transformers config, a
     dict of its fields or a path to config.json) on sequences of ``seq_len`` tokens over ``gpus``
     devices (``gpus_per_node`` per node), one sequence group of ``sp_size`` ranks (default: all)
@@ -286,32 +316,93 @@ def plan(*, model, seq_len: int, gpus: int, gpus_per_node: int = 8, hardware: st
     ``offload_activations=True`` (with ``checkpointing``) costs the kept tensors in host memory:
     off the device, copied out and back over the host link (``pcie_gbps``) each step. ``fsdp=True``
     (with ``zero_stage=3``) costs FSDP2's full sharding instead of DeepSpeed's ZeRO-3: what it
-    gathers within the step (the root's parameters and gradients, a layer and the one prefetched)."""
-    m = model_spec(model)
-    sp_size = gpus if sp_size is None else sp_size
-    _check(seq_len, gpus, gpus_per_node, sp_size, layout)
-    hw = get_hardware(hardware, intra_gbps=intra_gbps, inter_gbps=inter_gbps, tflops=tflops)
-    f = Features(training=training, zero_stage=zero_stage, optimizer=optimizer, checkpointing=checkpointing,
-                 keep_ring_outputs=keep_ring_outputs, tiled_mlp=tiled_mlp, chunked_loss=chunked_loss, offload=offload, micro_batch=micro_batch,
-                 head_groups=head_groups, offload_activations=offload_activations, fsdp=fsdp)
-    sizes = ulysses_sizes(m, sp_size)
-    if ulysses_size is not None and ulysses_size not in sizes:
-        raise RingSeqError(f"ulysses_size {ulysses_size} cannot split this model over sp_size {sp_size} "
-                           f"({m.H} query heads, {m.K} kv heads): choose one of {sizes}")
-    modes = [estimate(m, hw, f, S=seq_len, R=sp_size // U, U=U, G=gpus, per_node=gpus_per_node, layout=layout)
-             for U in sizes]
+    gathers within the step (the root's parameters and gradients, a layer and the one prefetched).
+    A shape fits when its rank's device memory fits the preset's ``memory_gb`` and what the node's
+    ranks keep in host memory (``offload``, ``offload_activations``) fits ``host_memory_gb`` (default:
+    the preset's, 80% of a node's)."""
+    return _Planner(locals()).plan(seq_len)
 
-    def shapes(features: Features, G: int, P: int) -> list[ModeEstimate]:
-        """The shapes a fix may pick from: those of the Ulysses size asked for, else all."""
-        return [estimate(m, hw, features, S=seq_len, R=P // U, U=U, G=G, per_node=gpus_per_node, layout=layout)
-                for U in ([ulysses_size] if ulysses_size else ulysses_sizes(m, P))]
 
-    best, rec = _recommend(modes, hw.memory_gb, ulysses_size,
-                           lambda: _fixes(shapes, f, hw.memory_gb, S=seq_len, G=gpus, P=sp_size,
-                                          per_node=gpus_per_node))
-    share = cost.step_shares(2, layout, True)[1]
-    crosses = sp_size > gpus_per_node
-    overlap = cost.overlap_block(hw, m.H, m.K, m.D, share=share, inter=crosses, training=training)
-    return Plan(memory_per_rank_gb=best.memory_per_rank_gb, step_time_s=best.step_time_s, modes=modes,
-                recommendation=rec, min_tokens_per_rank_for_overlap=overlap, tokens_per_rank=seq_len / sp_size,
-                sp_size=sp_size, hardware=hw.name, fits=best.memory_per_rank_gb <= hw.memory_gb)
+def longest(*, up_to: int = 2**40, **keywords) -> Plan | None:
+    """The plan of the longest sequence that fits: ``plan``'s keywords but ``seq_len``; the length is the
+    largest multiple of the layout's grain (every shape's padding multiple), at most ``up_to``, at which a
+    shape (of ``ulysses_size``, when given) fits the device's memory and the host's. None when not even one
+    grain fits. Memory grows with the length, so a doubling search and bisection find it."""
+    if "seq_len" in keywords:
+        raise RingSeqError("longest finds seq_len: give plan's other keywords")
+    if isinstance(up_to, bool) or not isinstance(up_to, int) or up_to < 1:
+        raise RingSeqError(f"up_to must be a positive whole number of tokens, got {up_to!r}")
+    planner = _Planner(dict(keywords, seq_len=None))
+    g = planner.grain
+    cap = up_to // g
+    if cap < 1 or not planner.fits(g):
+        return None
+    lo, hi = 1, 2  # in grains: lo fits, hi is the first doubling that does not (or the cap)
+    while hi <= cap and planner.fits(hi * g):
+        lo, hi = hi, hi * 2
+    hi = min(hi, cap + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if planner.fits(mid * g) else (lo, mid)
+    return planner.plan(lo * g)
+
+
+class _Planner:
+    """``plan``'s keywords checked once; ``plan(S)`` and ``fits(S)`` at any length."""
+
+    def __init__(self, kw: dict):
+        params = inspect.signature(plan).parameters
+        unknown = set(kw) - set(params)
+        missing = [k for k, p in params.items() if p.default is inspect.Parameter.empty and k not in kw]
+        if unknown or missing:
+            raise TypeError(f"plan() got unexpected keywords {sorted(unknown)}" if unknown else
+                            f"plan() needs the keywords {missing}")
+        kw = {**{k: p.default for k, p in inspect.signature(plan).parameters.items()
+                 if p.default is not inspect.Parameter.empty}, **kw}
+        self.m = model_spec(kw["model"])
+        self.gpus, self.per_node, self.layout = kw["gpus"], kw["gpus_per_node"], kw["layout"]
+        self.sp_size = self.gpus if kw["sp_size"] is None else kw["sp_size"]
+        _check(self.sp_size if kw["seq_len"] is None else kw["seq_len"], self.gpus, self.per_node, self.sp_size,
+               self.layout)
+        self.hw = get_hardware(kw["hardware"], intra_gbps=kw["intra_gbps"], inter_gbps=kw["inter_gbps"],
+                               tflops=kw["tflops"], host_memory_gb=kw["host_memory_gb"])
+        if kw["offload_activations"] and not (kw["checkpointing"] and kw["training"]):
+            raise RingSeqError("offload_activations moves a training step's checkpointed tensors to host memory: "
+                               + ("add checkpointing=True (--checkpointing)" if kw["training"] else
+                                  "a forward alone (training=False, --inference) keeps none: drop it"))
+        self.f = Features(training=kw["training"], zero_stage=kw["zero_stage"], optimizer=kw["optimizer"],
+                          checkpointing=kw["checkpointing"], keep_ring_outputs=kw["keep_ring_outputs"],
+                          tiled_mlp=kw["tiled_mlp"], chunked_loss=kw["chunked_loss"], offload=kw["offload"],
+                          micro_batch=kw["micro_batch"], head_groups=kw["head_groups"],
+                          offload_activations=kw["offload_activations"], fsdp=kw["fsdp"])
+        self.sizes = ulysses_sizes(self.m, self.sp_size)
+        self.chosen = kw["ulysses_size"]
+        if self.chosen is not None and self.chosen not in self.sizes:
+            raise RingSeqError(f"ulysses_size {self.chosen} cannot split this model over sp_size {self.sp_size} "
+                               f"({self.m.H} query heads, {self.m.K} kv heads): choose one of {self.sizes}")
+        self.grain = math.lcm(*(multiple(self.layout, self.sp_size // U, U) for U in self.sizes))
+
+    def shapes(self, S: int, features: Features, G: int, P: int, sizes=None) -> list[ModeEstimate]:
+        """Every shape of P ranks at S tokens (of the Ulysses size asked for, when ``sizes`` is None)."""
+        sizes = sizes or ([self.chosen] if self.chosen else ulysses_sizes(self.m, P))
+        return [estimate(self.m, self.hw, features, S=S, R=P // U, U=U, G=G, per_node=self.per_node,
+                         layout=self.layout) for U in sizes]
+
+    def fits(self, S: int) -> bool:
+        return any(e.fits(self.hw) for e in self.shapes(S, self.f, self.gpus, self.sp_size))
+
+    def plan(self, S: int) -> Plan:
+        _check(S, self.gpus, self.per_node, self.sp_size, self.layout)
+        m, hw, f = self.m, self.hw, self.f
+        modes = self.shapes(S, f, self.gpus, self.sp_size, self.sizes)
+        best, rec = _recommend(modes, hw, self.chosen,
+                               lambda: _fixes(lambda feat, G, P: self.shapes(S, feat, G, P), f, hw, S=S,
+                                              G=self.gpus, P=self.sp_size, per_node=self.per_node))
+        share = cost.step_shares(2, self.layout, True)[1]
+        crosses = self.sp_size > self.per_node
+        overlap = cost.overlap_block(hw, m.H, m.K, m.D, share=share, inter=crosses, training=f.training)
+        return Plan(memory_per_rank_gb=best.memory_per_rank_gb, step_time_s=best.step_time_s, modes=modes,
+                    recommendation=rec, min_tokens_per_rank_for_overlap=overlap, tokens_per_rank=S / self.sp_size,
+                    sp_size=self.sp_size, hardware=hw.name, fits=best.fits(hw),
+                    host_memory_per_node_gb=best.host_memory_per_node_gb, host_limit_gb=hw.host_memory_gb,
+                    seq_len=S)

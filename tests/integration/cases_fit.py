@@ -23,9 +23,9 @@ def _budget(model, B: int, short: int, long: int) -> int:
     setting = fitting._setting(model, model._ringseq_patch)
     plain = lambda S: min(c.predicted_peak_bytes for c in planner_fit.costed(setting, S, B)  # noqa: E731
                           if not c.switches.checkpointing)
-    budget = plain(long) - 1
-    assert plain(short) <= budget, (plain(short), budget)
-    assert planner_fit.least(setting, long, B).predicted_peak_bytes <= budget
+    budget = planner_fit.budget_for(plain(long)) - 1  # fit plans into the budget less its headroom
+    assert plain(short) <= planner_fit.plannable(budget), (plain(short), budget)
+    assert planner_fit.least(setting, long, B).predicted_peak_bytes <= planner_fit.plannable(budget)
     return budget
 
 
@@ -58,7 +58,8 @@ def fit_per_length(family="llama"):
         check_against(refs[n][1], loss, grads, sp, f"{where} S={n * world}")
         report = ringseq.stats(sp=sp)["fit"]
         assert report["length"] == n * world and report["budget_bytes"] == budget, (where, report)
-        assert report["predicted_peak_bytes"] <= budget and report["measured_peak_bytes"] is None, (where, report)
+        assert report["predicted_peak_bytes"] <= report["plannable_bytes"] == int(planner_fit.plannable(budget)) \
+            and report["measured_peak_bytes"] is None, (where, report)
         seen.setdefault(n, report["switches"])
         assert report["switches"] == seen[n], (where, n, report)
     assert not seen[SHORT]["checkpointing"] and seen[LONG]["checkpointing"], (where, seen)
@@ -71,7 +72,7 @@ def fit_per_length(family="llama"):
     setting = fitting._setting(model, model._ringseq_patch)
     tight = planner_fit.least(setting, LONG * world, B)  # at its least memory, only the leanest set fits
     assert tight.switches.tiled_mlp and (world == 1 or not tight.switches.keep_ring_outputs), (where, tight)
-    model = ringseq.patch(model, sp=sp, fit=True, memory_budget=tight.predicted_peak_bytes)
+    model = ringseq.patch(model, sp=sp, fit=True, memory_budget=planner_fit.budget_for(tight.predicted_peak_bytes))
     loss, grads = _step(model, batches[LONG])
     check_against(refs[LONG][1], loss, grads, sp, f"{where} S={LONG * world} tight")
     assert ringseq.stats(sp=sp)["fit"]["switches"] == dataclasses.asdict(tight.switches), where
@@ -91,7 +92,7 @@ def fit_refuses_what_it_cannot_fit(family="llama"):
     base = references(family, batch)[0]
     model = ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, memory_budget=1)
     setting = fitting._setting(model, model._ringseq_patch)
-    budget = planner_fit.least(setting, SHORT * world, 1).predicted_peak_bytes  # the short length, at the least
+    budget = planner_fit.budget_for(planner_fit.least(setting, SHORT * world, 1).predicted_peak_bytes)  # the short
     model = ringseq.patch(model, sp=sp, fit=True, memory_budget=budget)
     model.train()
     with pytest.raises(ringseq.RingSeqError, match="no set of memory switches fits a step of 1 x") as err:
@@ -99,7 +100,8 @@ def fit_refuses_what_it_cannot_fit(family="llama"):
     longest = planner_fit.longest(setting, 1, budget, LONG * world)
     assert SHORT * world <= longest < LONG * world, (longest, str(err.value))
     assert f"The longest length that fits is {longest} tokens" in str(err.value), str(err.value)
-    assert planner_fit.least(setting, longest + planner_fit.grain(setting), 1).predicted_peak_bytes > budget
+    assert planner_fit.least(setting, longest + planner_fit.grain(setting), 1).predicted_peak_bytes > \
+        planner_fit.plannable(budget)
     with pytest.raises(ringseq.RingSeqError, match="fit=True chooses tiled_mlp, head_groups itself"):
         ringseq.patch(copy.deepcopy(base), sp=sp, fit=True, tiled_mlp=2, head_groups="kv")
     for bad in (0, -5, True, "1GB"):

@@ -159,7 +159,8 @@ def make_trainer(case, sp, out_dir, steps, train, evaluation, **extra):
 
         ringseq.patch(model, sp=sp, fit=True)
         setting = dataclasses.replace(fitting._setting(model, model._ringseq_patch), zero_stage=case.stage or 0)
-        ringseq.patch(model, sp=sp, fit=True, memory_budget=planner_fit.least(setting, S, 1).predicted_peak_bytes)
+        ringseq.patch(model, sp=sp, fit=True,
+                      memory_budget=planner_fit.budget_for(planner_fit.least(setting, S, 1).predicted_peak_bytes))
     # plain SGD through args.optim: with DeepSpeed the Trainer ignores optimizers=(...)
     return ringseq.Trainer(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                            sp=None if case.section or case.cp else sp)

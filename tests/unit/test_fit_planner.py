@@ -22,20 +22,21 @@ def gpu(P=8):
                        may_offload=True)
 
 
-@pytest.mark.parametrize("S", [2048, 8192, 16384, 24576])
+@pytest.mark.parametrize("S", [2048, 8192, 16384, 22528])
 def test_the_choice_is_the_fastest_set_that_fits(S):
     setting, budget = cpu(), 448 * MB
     every = fit.costed(setting, S, 1)
     best = fit.choose(setting, S, 1, budget)
-    fitting = [c for c in every if c.predicted_peak_bytes <= budget]
-    assert best is not None and best.predicted_peak_bytes <= budget
+    fitting = [c for c in every if c.predicted_peak_bytes <= budget * (1 - fit.HEADROOM)]  # the planner's error
+    assert best is not None and best.predicted_peak_bytes <= budget * 0.96 and fit.HEADROOM == 0.04
+    assert fit.choose(setting, S, 1, best.predicted_peak_bytes) != best  # a budget of its prediction leaves no room
     assert all(best.predicted_step_s <= c.predicted_step_s for c in fitting)
     assert len({c.switches for c in every}) == len(every) == len(fit.candidates(setting))
 
 
 def test_longer_sequences_turn_on_more_switches():
     setting, budget = cpu(), 448 * MB
-    chosen = [fit.choose(setting, S, 1, budget) for S in (2048, 16384, 24576)]
+    chosen = [fit.choose(setting, S, 1, budget) for S in (2048, 16384, 22528)]
     assert not chosen[0].switches.checkpointing and not chosen[0].switches.tiled_mlp
     assert chosen[1].switches.checkpointing and chosen[1].switches.keep_ring_outputs
     assert not chosen[2].switches.keep_ring_outputs  # only the replayed ring fits there
@@ -54,7 +55,8 @@ def test_a_budget_no_set_fits_is_refused_with_the_longest_that_fits():
     text = fit.refusal(setting, 65536, 1, budget)
     assert f"The longest length that fits is {longest} tokens" in text
     need = fit.least(setting, 65536, 1).predicted_peak_bytes
-    assert f"a memory_budget of at least {need / MB:.0f} MiB" in text and "sp_size 8" in text
+    assert f"a memory_budget of at least {need / 0.96 / MB:.0f} MiB" in text and "sp_size 8" in text
+    assert "4% of it kept free for the planner's error" in text
 
 
 def test_offload_of_kept_tensors_only_where_the_host_is_apart():

@@ -141,7 +141,7 @@ def test_slower_links_expose_more_communication_and_faster_chips_need_longer_blo
     (dict(sp_size=48), "does not divide gpus"),
     (dict(layout="spiral"), "unknown layout"),
     (dict(zero_stage=4), "zero_stage"),
-    (dict(inter_gbps=-1), "must be positive"),
+    (dict(inter_gbps=-1), "must be a positive finite number"),
     (dict(seq_len=0), "positive integer"),
 ])
 def test_bad_inputs_raise_ringseq_error_saying_what_to_change(kwargs, words):

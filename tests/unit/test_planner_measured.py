@@ -117,21 +117,40 @@ def test_the_longest_n_check_covers_the_memory_features():
     assert {"ringseq:2:loss", "ringseq:2:loss,ckpt,tiled", "ringseq:2:loss,replay,tiled", "unpatched:1:"} <= systems
 
 
-FIT = [r for r in map(json.loads, (DOCS / "longest.jsonl").read_text().splitlines()) if r.get("run") == "fit"]
+RECORDS = [json.loads(line) for line in (DOCS / "longest.jsonl").read_text().splitlines()]
+FIT = [r for r in RECORDS if r.get("run") == "fit"]
+WITHIN = [r for r in RECORDS if r.get("run") == "fit_headroom"]
 
 
-def test_fit_reaches_the_longest_manual_rows_and_their_speed():
-    """longest.py's fit contender (run "fit", docs/memory.md): at each P it reaches the longest N of
-    every searched manual row in the same budget; at N = 4096 its tokens/s is at least 0.95x the
-    fastest manual row timed beside it; each probe's recorded prediction is its switches' cost."""
-    best = {r["system"]: r for r in map(json.loads, (DOCS / "longest.jsonl").read_text().splitlines())
-            if r["kind"] == "longest"}
+def test_fit_is_near_the_longest_manual_rows_and_their_speed():
+    """longest.py's fit contender: at each P its longest N (run "fit_headroom", after fit kept 4% of the budget
+    for the planner's error) is within 10% of the longest searched manual row in the same budget (run "fit" reached
+    them, twice 0.5% over the budget); at N = 4096 its tokens/s (run "fit": the same choice there) is at least
+    0.95x the fastest manual row timed beside it."""
+    best = {r["system"]: r for r in RECORDS if r["kind"] == "longest"}  # a system's latest search
     for P in (2, 4):
         manual = max(r["longest_N"] for s, r in best.items() if s.startswith(f"ringseq:{P}:") and "fit" not in s)
-        assert best[f"ringseq:{P}:fit"]["longest_N"] >= manual, (P, manual, best[f"ringseq:{P}:fit"])
+        assert best[f"ringseq:{P}:fit"]["run"] == "fit_headroom", best[f"ringseq:{P}:fit"]
+        assert best[f"ringseq:{P}:fit"]["longest_N"] >= 0.9 * manual, (P, manual, best[f"ringseq:{P}:fit"])
     speed = {r["system"]: r["tokens_per_s"] for r in FIT if r["kind"] == "tokens_per_s"}
     fastest = max(v for s, v in speed.items() if "fit" not in s)
     assert speed.pop("ringseq:2:fit") >= 0.95 * fastest and len(speed) >= 3, speed
-    for r in (r for r in FIT if r["kind"] == "probe" and r.get("step_mb")):
+
+
+def test_fit_never_measures_over_its_budget():
+    """Issue 59: at every length fit accepts, from 4k to the longest, at P = 2 and 4 (at least 12 probes), the
+    measured step is within the budget; the length one grain above its longest it refuses before the step; each
+    probe's recorded prediction is its switches' cost now."""
+    probes = [r for r in WITHIN if r["kind"] == "probe"]
+    stepped = [r for r in probes if r.get("step_mb")]
+    assert len(stepped) >= 12 and {r["P"] for r in stepped} == {2, 4}, stepped
+    for P in (2, 4):
+        ns = sorted(r["N"] for r in stepped if r["P"] == P)
+        longest = next(r for r in WITHIN if r["kind"] == "longest" and r["P"] == P)
+        assert ns[0] <= 8192 and ns[-1] == longest["longest_N"] == longest["fit_limit"], (P, ns, longest)
+        refused = [r for r in probes if r["P"] == P and not r.get("step_mb")]
+        assert [r["N"] for r in refused] == [longest["fit_limit"] + 512] and not refused[0]["fits"], refused
+    for r in stepped:
+        assert r["fits"] and r["step_mb"] <= 448.0, r  # longest.py's budget
         inputs = planner_validate.longest_inputs(r["system"], r["N"], r["switches"])
         assert planner_validate.predict_step_mb(inputs) == pytest.approx(r["predicted_mb"], abs=0.2), r
