@@ -47,6 +47,14 @@ pages of its own, returned when the tensor is freed, so the resident set follows
 tensors in its heap instead)."""
 
 
+def return_freed_memory() -> None:
+    """This process from now on as under ``MMAP_THRESHOLD`` (glibc's ``mallopt(M_MMAP_THRESHOLD)``): for a
+    measurement in a process already started."""
+    M_MMAP_THRESHOLD = -3
+    if not ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, int(MMAP_THRESHOLD)):
+        raise RuntimeError("glibc refused mallopt(M_MMAP_THRESHOLD): the resident set would not follow the tensors")
+
+
 @contextlib.contextmanager
 def freed_memory_returned():
     """Processes spawned inside run with ``MMAP_THRESHOLD`` (read by glibc at process start)."""

@@ -38,6 +38,10 @@ Checks, most important first (``--budget-s`` stops starting new rows in time; sk
 (8) ``entry_bf16`` every entry point (Trainer, Accelerate, SFTTrainer, GRPOTrainer) with its own ``bf16=True``
                  under FSDP2, eager and with ``torch_compile=True``, against the same client without ringseq
                  (``gpu_engines.check_entries_bf16``; GPU only, TRL's rows where TRL is installed).
+(9) ``memory``   the longest sequence one device trains in a fixed step budget (2 GiB on CUDA), as
+                 ``patch(fit=True)``'s planner predicts it and as measured by bisection, each probe's step
+                 peak beside its prediction; fails when the predicted longest length measures over the budget
+                 (``gpu_memory.check_memory``; on the CPU reported, not judged).
 
 The first line says where it ran (torch, device, which flash implementation the flash ops run).
 Off CUDA FlexAttention runs forward only (torch has no CPU backward for it): (3) checks its forward
@@ -57,6 +61,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_engines  # noqa: E402
+import gpu_memory  # noqa: E402
 import gpu_speed  # noqa: E402
 
 import ringseq  # noqa: E402
@@ -476,7 +481,8 @@ CHECKS = {"ring": lambda args, rows: gpu_speed.check_ring(args, rows, _record),
           "kernels": check_kernels, "model": check_model, "compiled": check_compiled,
           "trainer_fsdp2": check_trainer_fsdp2,
           "fsdp2_bf16": lambda args, rows: gpu_engines.check_fsdp2_bf16(args, rows, _record, _world_of_one),
-          "entry_bf16": lambda args, rows: gpu_engines.check_entries_bf16(args, rows, _record, _world_of_one)}
+          "entry_bf16": lambda args, rows: gpu_engines.check_entries_bf16(args, rows, _record, _world_of_one),
+          "memory": lambda args, rows: gpu_memory.check_memory(args, rows, _record, _world_of_one)}
 
 
 def main(argv=None) -> int:
@@ -486,6 +492,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=None, help="timing repetitions (default: 3 on CUDA, 2 on the CPU)")
     p.add_argument("--lengths", nargs="*", type=int, default=None, help="ring: tokens (default 32768 131072 on CUDA)")
     p.add_argument("--ranks", nargs="*", type=int, default=None, help="ring: virtual ranks (default 2 4 8 on CUDA)")
+    p.add_argument("--memory-probes", type=int, default=None,
+                   help="memory: steps measured (default: 8 on CUDA, 3 on the CPU)")
     p.add_argument("--budget-s", type=float, default=540.0, help="start no new row after this many seconds")
     p.add_argument("--out", default=None, help="also write the JSON lines to this file")
     args = p.parse_args(argv)
@@ -493,6 +501,7 @@ def main(argv=None) -> int:
         print("gpu_check: no CUDA device here; run with --device cpu for the CPU part", file=sys.stderr)
         return 2
     args.reps = args.reps or (3 if args.device == "cuda" else 2)
+    args.memory_probes = args.memory_probes or (8 if args.device == "cuda" else 3)
     if args.device == "cpu":
         torch.set_num_threads(min(2, torch.get_num_threads()))
     rows, start = [], time.perf_counter()

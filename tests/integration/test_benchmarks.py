@@ -141,7 +141,12 @@ def test_gpu_check_runs_its_cpu_part():
     # the clients' FSDP2 rows need a GPU in one process (their CPU runs: test_trainer.py's, test_matrix.py's)
     assert all(r["ok"] for r in rows) and {r["check"] for r in rows if r.get("skipped")} == {"trainer_fsdp2", "entry_bf16"}
     assert {r["check"] for r in rows} == {"where", "ring", "blocks", "kernels", "model", "compiled", "trainer_fsdp2",
-                                          "fsdp2_bf16", "entry_bf16"}
+                                          "fsdp2_bf16", "entry_bf16", "memory"}
+    (memory,) = [r for r in rows if r["check"] == "memory"]  # the GPU's memory row's code, run (not judged) here
+    # its budget is what the leanest set needs at 2048 tokens: fit's headroom takes 4% of it
+    assert 0.9 * 2048 <= memory["predicted_longest"] < 2048 and not memory["judged"] and len(memory["probes"]) == 3
+    assert memory["probes"][0]["tokens"] == memory["predicted_longest"]
+    assert all(p["measured_mb"] > 0 and p["predicted_mb"] > 0 for p in memory["probes"])
     fsdp2 = [r for r in rows if r["check"] == "fsdp2_bf16"]  # torchtitan's bf16 policy, eager and compiled layers
     assert [r["compiled_layers"] for r in fsdp2] == [False, True] and not any(r.get("skipped") for r in fsdp2)
     assert {(r["entry"], r["compiled"]) for r in rows if r["check"] == "entry_bf16"} == {
