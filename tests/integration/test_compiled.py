@@ -37,6 +37,9 @@ def test_each_layer_compiled_with_fullgraph(pool2, pool4):
     pool4.run(cases_compiled.step, "mistral", "layers", "packed", 1, None, True, backend="aot_eager")
 
 
+# under -m slow (10-15 s): experts under torch.compile(model) run in test_hybrids_compiled (Kimi Linear), sinks inside
+# the op in test_the_op_is_the_eager_ring, alternating windows in compiled layers in test_each_layer_compiled_with_fullgraph
+@pytest.mark.slow
 def test_sinks_and_experts_compiled(pool2):
     """gpt-oss (sinks, MoE, alternating windows): its experts break the graph on their own (unpatched
     too); ringseq adds no break. (Sinks under Ulysses: the op's test.)"""
@@ -58,17 +61,23 @@ def test_the_recurrent_op_is_the_eager_path(pool2, pool4):
     pool4.run(cases_compiled.recurrent_op_against_eager)
 
 
-def test_hybrids_compiled(pool2, pool4):
+def test_hybrids_compiled(pool2):
     """Hybrids, each recurrent layer's sharded kernel one op: Kimi Linear (KDA, MLA attention, MoE)
     under torch.compile(model), packed; Bamba (Mamba2) layers with fullgraph under checkpointing
-    that saves the ops' outputs, padded; Qwen3.5 (gated DeltaNet) layers with fullgraph under
-    Ulysses 2 x ring 2, packed; Qwen3.5 whole on packed rows of three lengths (at most 2 graphs); Qwen3.5-MoE asked for
-    its router logits, every kernel still an op."""
+    that saves the ops' outputs, padded; Qwen3.5-MoE asked for its router logits, every kernel still an op."""
     pool2.run(cases_compiled.step, "kimi_linear", "model", "packed", backend="aot_eager")
     pool2.run(cases_compiled.step, "bamba", "layers", "padded", 1, "replay", backend="aot_eager")
+    pool2.run(cases_compiled.router_logits_compiled)
+
+
+# 25 s, under -m slow: hybrids under Ulysses x ring run eagerly in test_hybrid_models.py, the recurrent op runs the
+# eager kernels' code (test_the_recurrent_op_is_the_eager_path, world 2 and 4), compiled hybrid layers run above
+@pytest.mark.slow
+def test_hybrids_compiled_under_ulysses_and_varying_lengths(pool2, pool4):
+    """Qwen3.5 (gated DeltaNet) layers with fullgraph under Ulysses 2 x ring 2, packed; Qwen3.5 whole on packed rows
+    of three lengths (at most 2 graphs: a recompile's cost, which benchmarks/compiled.py measures)."""
     pool4.run(cases_compiled.step, "qwen3_5", "layers", "packed", 2, backend="aot_eager")
     pool2.run(cases_compiled.varying_lengths, "qwen3_5")
-    pool2.run(cases_compiled.router_logits_compiled)
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "backward"])
